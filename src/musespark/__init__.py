@@ -1,0 +1,7 @@
+"""musespark: a fast, exact, hackable serving engine for the Muse Spark 1x text decoder."""
+
+from .config import ModelConfig
+from .model import MuseSparkForCausalLM, load_model
+
+__version__ = "0.1.0"
+__all__ = ["ModelConfig", "MuseSparkForCausalLM", "load_model", "__version__"]

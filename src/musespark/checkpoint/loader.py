@@ -1,0 +1,134 @@
+"""Load a released Muse Spark checkpoint directory into our decoder.
+
+A directory holds `config.json` and either `model.safetensors` or shards listed in
+`model.safetensors.index.json`. The model is built on the meta device, then every
+tensor is read from its memory-mapped file straight into its final dtype, one at a
+time, so peak memory stays near the final model size. Pickle checkpoints are refused,
+never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import ModelConfig
+from .names import EMBED, LM_HEAD, expected_shapes, keeps_fp32, to_relative
+from .safetensors_file import SafetensorsFile
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig | None = None) -> torch.dtype:
+    """`bfloat16` (default), `float16`, `float32`, or "auto" (the checkpoint's dtype if it is one of those)."""
+    if dtype is None:
+        return torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return dtype
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    if dtype == "auto":
+        declared = cfg.checkpoint_dtype if cfg is not None else None
+        return DTYPES.get(str(declared).removeprefix("torch."), torch.bfloat16)
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"dtype must be one of 'auto', 'bfloat16', 'float16', 'float32', got {dtype!r}")
+
+
+def find_weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory; refuses pickles with a clear error."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index}: not a valid safetensors index ({exc!r})") from None
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise ValueError(f"{index}: lists shard(s) that do not exist: {missing}")
+        return [path / f for f in files]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    others = sorted(path.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{path}: found only pickle checkpoint file(s) {pickles}; musespark never unpickles weights "
+            "(a pickle can run arbitrary code). Convert the checkpoint to safetensors.")
+    raise ValueError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE})")
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model path {str(path)!r} is not a directory")
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{path}: no {CONFIG_FILE}; a checkpoint directory needs one")
+    return ModelConfig.from_file(path / CONFIG_FILE)
+
+
+def read_state_dict(
+    path: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every text tensor of the checkpoint at `path`, by relative name, in its final dtype.
+
+    Residual gates, the router weight and the expert bias stay float32 in any dtype.
+    Tied embeddings share one tensor. `progress(done, total)` is called after each tensor.
+    """
+    path = Path(path)
+    files = find_weight_files(path)
+    shapes = expected_shapes(cfg)
+    loaded: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
+    for file in files:
+        with SafetensorsFile(file) as st:
+            for disk_name, entry in st.entries.items():
+                name = to_relative(disk_name)
+                if name is None:  # vision/audio tower: not ours
+                    continue
+                if name not in shapes:
+                    raise ValueError(f"{file}: unexpected tensor {disk_name!r} (not part of the text decoder "
+                                     "this config describes)")
+                if name in loaded:
+                    raise ValueError(f"{file}: tensor {disk_name!r} appears twice (also in {where[name]})")
+                if entry.shape != shapes[name]:
+                    raise ValueError(f"{file}: tensor {disk_name!r} has shape {list(entry.shape)}, "
+                                     f"expected {list(shapes[name])}")
+                if not entry.dtype.is_floating_point:
+                    raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected a float type")
+                target = torch.float32 if keeps_fp32(name) else dtype
+                loaded[name] = st.read(disk_name, target).to(device)
+                where[name] = file
+                if progress is not None:
+                    progress(len(loaded), len(shapes))
+
+    if LM_HEAD not in loaded and cfg.tie_word_embeddings and EMBED in loaded:
+        loaded[LM_HEAD] = loaded[EMBED]  # tied: the head reuses the embedding matrix
+    missing = [n for n in shapes if n not in loaded]
+    if missing:
+        shown = ", ".join(f"{n!r} (expected shape {list(shapes[n])})" for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{path}: checkpoint is missing tensor(s) {shown}{more} "
+                         f"(searched {[f.name for f in files]})")
+    return loaded

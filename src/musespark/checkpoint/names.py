@@ -1,0 +1,96 @@
+"""The released tensor names and shapes of the text decoder (SPEC §1).
+
+Names here are relative to the text model ("embed_tokens.weight", "layers.0...."),
+plus "lm_head.weight" at the top. On disk, nested checkpoints prefix the text model
+with "model.language_model.", flat ones with "model.".
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+
+NESTED_PREFIX = "model.language_model."
+FLAT_PREFIX = "model."
+LM_HEAD = "lm_head.weight"
+EMBED = "embed_tokens.weight"
+
+# Non-text parts of the omni checkpoint (under "model."): skipped when loading.
+TOWER_PREFIXES = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.vision_adapter.",
+    "model.vision_projection.",
+    "model.perception_emb_norm.",
+    "model.multi_modal_projector.",
+)
+
+# Tensors kept in float32 whatever the model dtype (SPEC §1, §2).
+FP32_SUFFIXES = (
+    "post_attention_residual_gate.gate",
+    "post_feedforward_residual_gate.gate",
+    "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias",
+)
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every text tensor a checkpoint of `cfg` holds, with its shape (lm_head included)."""
+    H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    nH, nKV = cfg.num_attention_heads, cfg.num_key_value_heads
+    E, Hm, Im, I = cfg.num_local_experts, cfg.moe_hidden_size, cfg.moe_intermediate_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (V, H)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (nH * D, H),
+            p + "self_attn.k_proj.weight": (nKV * D, H),
+            p + "self_attn.v_proj.weight": (nKV * D, H),
+            p + "self_attn.gate_proj.weight": (nH * D, H),
+            p + "self_attn.o_proj.weight": (H, nH * D),
+            p + "post_attention_residual_gate.gate": (H,),
+            p + "pre_feedforward_layernorm.weight": (H,),
+            p + "post_feedforward_layernorm.weight": (H,),
+            p + "post_feedforward_residual_gate.gate": (H,),
+        })
+        if cfg.is_sparse(i):
+            shapes.update({
+                p + "mlp.gate.weight": (E, H),
+                p + "mlp.gate.e_score_correction_bias": (E,),
+                p + "mlp.pre_expert_proj.weight": (Hm, H),
+                p + "mlp.pre_expert_norm.weight": (Hm,),
+                p + "mlp.experts.gate_up_proj": (E, 2 * Im, Hm),
+                p + "mlp.experts.down_proj": (E, Hm, Im),
+                p + "mlp.experts.post_expert_norm.weight": (Hm,),
+                p + "mlp.post_expert_proj.weight": (H, Hm),
+            })
+        else:
+            shapes.update({
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+            })
+    shapes["norm.weight"] = (H,)
+    shapes[LM_HEAD] = (V, H)
+    return shapes
+
+
+def to_relative(name: str) -> str | None:
+    """Map an on-disk name to our relative name; None for tower tensors to skip.
+
+    Names that are neither text nor tower come back unchanged, so the caller reports
+    them as unexpected.
+    """
+    if name == LM_HEAD:
+        return name
+    if name.startswith(NESTED_PREFIX):
+        return name[len(NESTED_PREFIX):]
+    if name.startswith(TOWER_PREFIXES):
+        return None
+    if name.startswith(FLAT_PREFIX):
+        return name[len(FLAT_PREFIX):]
+    return name

@@ -1,0 +1,143 @@
+"""Read tensors one at a time from a memory-mapped safetensors file, releasing pages.
+
+We parse the (tiny, documented) safetensors header ourselves instead of using
+`safetensors.safe_open` for one reason: after copying a tensor out we drop its pages
+from our resident set (`madvise(MADV_DONTNEED)`), which keeps peak memory while loading
+near the final model size. `safe_open` gives no handle on its mapping. Writing uses the
+`safetensors` library.
+
+Every offset is validated against the file size, so a truncated or corrupt file is a
+clear `ValueError`, never a crash or a silent short read.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+class SafetensorsFile:
+    """An open safetensors file: `entries` from its header, `read(name)` for a tensor copy."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "rb")
+        try:
+            self.entries = self._parse_header()
+            size = os.fstat(self._file.fileno()).st_size
+            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _corrupt(self, why: str) -> ValueError:
+        return ValueError(f"{self.path}: not a valid safetensors file ({why})")
+
+    def _parse_header(self) -> dict[str, TensorEntry]:
+        size = os.fstat(self._file.fileno()).st_size
+        raw = self._file.read(8)
+        if len(raw) < 8:
+            raise self._corrupt(f"file is {size} bytes, too short for a header")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > _MAX_HEADER or 8 + header_len > size:
+            raise self._corrupt(f"header length {header_len} does not fit in a {size}-byte file; truncated?")
+        try:
+            header = json.loads(self._file.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise self._corrupt(f"header is not valid JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise self._corrupt("header is not a JSON object")
+        data_start = 8 + header_len
+        entries: dict[str, TensorEntry] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = _DTYPES[info["dtype"]]
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._corrupt(f"bad header entry for tensor {name!r}: {info!r}") from None
+            numel = 1
+            for d in shape:
+                if d < 0:
+                    raise self._corrupt(f"tensor {name!r} has a negative dimension in shape {shape}")
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            if begin < 0 or end - begin != nbytes:
+                raise self._corrupt(
+                    f"tensor {name!r} of dtype {info['dtype']} and shape {list(shape)} needs {nbytes} bytes, "
+                    f"header gives offsets [{begin}, {end}]")
+            if data_start + end > size:
+                raise self._corrupt(
+                    f"tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes; truncated?")
+            entries[name] = TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
+        return entries
+
+    def read(self, name: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A fresh tensor (not backed by the file) with `name`'s data, cast to `out_dtype`."""
+        e = self.entries[name]
+        target = out_dtype or e.dtype
+        out = torch.empty(e.shape, dtype=target)
+        if e.end == e.start:
+            return out
+        assert self._mmap is not None
+        with warnings.catch_warnings():  # the mapping is read-only; we only read from it
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(self._mmap, dtype=e.dtype, count=(e.end - e.start) // _itemsize(e.dtype),
+                                   offset=e.start)
+        out.copy_(src.view(e.shape))
+        del src
+        self._release(e.start, e.end)
+        return out
+
+    def _release(self, start: int, end: int) -> None:
+        """Drop this byte range's pages from our resident set (the data stays on disk)."""
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        begin = start - start % page
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        self._file.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

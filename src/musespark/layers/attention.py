@@ -1,0 +1,119 @@
+"""Attention over a flat batch of tokens from many sequences.
+
+The model sees one flat batch: `T` tokens, sequence `b` owning rows
+`query_start_loc[b] : query_start_loc[b+1]`. An `AttentionContext` says where each
+sequence's keys and values live:
+
+* without a KV cache (`kv_caches is None`) every sequence's context is exactly its
+  tokens in this batch (a whole prompt, the reference path);
+* with a paged KV cache, K/V of the new tokens are written at `slot_mapping` (a flat
+  slot = block * block_size + offset) and every query reads its sequence's history
+  through a block table. Layers may be split into KV groups (e.g. full and sliding
+  layers with separate block tables, so sliding layers can release blocks that fall
+  out of their window); `layer_group[i]` names layer i's group.
+
+Masking is by position: a query at position p sees keys at positions <= p, and on a
+sliding layer only those > p - window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KVGroup:
+    """Where one group of layers keeps its keys/values for this step."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot for each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int64: block ids per sequence (-1 = none)
+
+
+@dataclass
+class AttentionContext:
+    query_start_loc: list[int]  # [B+1] row offsets of each sequence in the flat batch
+    seq_lens: list[int]  # [B] context length of each sequence after this step (cached + new)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: K, V [num_blocks, block_size, nKV, D]
+    groups: list[KVGroup] | None = None
+    layer_group: list[int] | None = None  # layer index -> index into `groups`
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @classmethod
+    def for_prompts(cls, lengths: list[int]) -> "AttentionContext":
+        """Context for whole prompts computed from scratch, no cache."""
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        return cls(query_start_loc=starts, seq_lens=list(lengths))
+
+
+def _attend(
+    q: torch.Tensor,  # [n, nH, D] queries
+    k: torch.Tensor,  # [m, nKV, D] keys
+    v: torch.Tensor,  # [m, nKV, D]
+    q_pos: torch.Tensor,  # [n] query positions
+    k_pos: torch.Tensor,  # [m] key positions
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)  # [n, nH, D]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, nH, D]
+    k: torch.Tensor,  # [T, nKV, D]
+    v: torch.Tensor,  # [T, nKV, D]
+    positions: torch.Tensor,  # [T]
+    ctx: AttentionContext,
+    layer: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention for every sequence of the batch -> [T, nH, D]."""
+    out = torch.empty_like(q)
+    qsl = ctx.query_start_loc
+    if ctx.kv_caches is None:
+        for b in range(ctx.num_seqs):
+            s, e = qsl[b], qsl[b + 1]
+            if e > s:
+                out[s:e] = _attend(q[s:e], k[s:e], v[s:e], positions[s:e], positions[s:e], scale, window)
+        return out
+
+    assert ctx.groups is not None and ctx.layer_group is not None
+    group = ctx.groups[ctx.layer_group[layer]]
+    k_cache, v_cache = ctx.kv_caches[layer]
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    k_flat.index_copy_(0, group.slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, group.slot_mapping, v.to(v_flat.dtype))
+    for b in range(ctx.num_seqs):
+        s, e = qsl[b], qsl[b + 1]
+        if e == s:
+            continue
+        seq_len = ctx.seq_lens[b]
+        first_query = seq_len - (e - s)
+        # Oldest key any of these queries can see; blocks before it are never read.
+        first_key = 0 if window is None else max(0, first_query - window + 1)
+        first_block = first_key // block_size
+        last_block = (seq_len - 1) // block_size
+        blocks = group.block_tables[b, first_block:last_block + 1]
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+        start = first_block * block_size
+        slots = slots[: seq_len - start]
+        k_pos = torch.arange(start, seq_len, device=q.device)
+        out[s:e] = _attend(q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window)
+    return out

@@ -1,0 +1,188 @@
+"""The Muse Spark 1x text decoder (SPEC §2-3).
+
+Module names follow the checkpoint's tensor names, so loading is mechanical:
+`model.state_dict()` keys are exactly `checkpoint.names.expected_shapes(cfg)`.
+
+The residual stream `s` is float32 from the embedding norm to the final norm, whatever
+the model dtype; weights and matmuls run in the model dtype; logits are float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.attention import AttentionContext, paged_attention
+from ..layers.moe import DenseMlp, SparseMoeBlock
+from ..layers.norm import ResidualGate, RMSNorm, rms, rms_norm
+from ..layers.rotary import apply_rotary, cos_sin, inv_frequencies
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
+        self.gate_proj = nn.Linear(H, self.num_heads * D, bias=False)  # the output gate
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+        self.eps = cfg.rms_norm_eps
+        # The weightless QK-norm makes the extra query multiplier foldable into the scale.
+        self.scale = cfg.qk_scale_factor / math.sqrt(D)
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        theta = float(cfg.layer_rope_theta[layer])
+        self.rope_theta = theta if theta > 0 else None
+        self.register_buffer(
+            "inv_freq", inv_frequencies(theta, D) if theta > 0 else None, persistent=False)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """h [T, H] (model dtype) -> a [T, H] (model dtype)."""
+        T, dtype, D = h.shape[0], h.dtype, self.head_dim
+        q = rms(self.q_proj(h).view(T, self.num_heads, D), self.eps)  # fp32, weightless QK-norm
+        k = rms(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps)
+        v = self.v_proj(h).view(T, self.num_kv_heads, D)
+        if self.rope_theta is not None:
+            if self.rope_theta not in rope:
+                rope[self.rope_theta] = cos_sin(positions, self.inv_freq)
+            cos, sin = rope[self.rope_theta]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = paged_attention(q.to(dtype), k.to(dtype), v, positions, ctx, self.layer, self.scale, self.window)
+        g = self.gate_proj(h).view(T, self.num_heads, D)
+        o = (rms(o, self.eps) * torch.sigmoid(g.float())).to(dtype)  # O-norm, then sigmoid gate
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, gain_center=1.0)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_residual_gate = ResidualGate(H, cfg.residual_gate_temperature)
+        self.pre_feedforward_layernorm = RMSNorm(H, cfg.rms_norm_eps, gain_center=1.0)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_sparse(layer) else DenseMlp(cfg)
+        self.post_feedforward_layernorm = RMSNorm(H, cfg.post_norm_eps, gain_center=1.0, input_scaled=True)
+        self.post_feedforward_residual_gate = ResidualGate(H, cfg.residual_gate_temperature)
+        self.post_norm_eps = cfg.post_norm_eps
+
+    def forward(self, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                rope: dict[float, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+        """s [T, H] fp32 stream -> new stream [T, H] fp32."""
+        h = self.input_layernorm(s, out_dtype=dtype)
+        a = self.self_attn(h, positions, ctx, rope)
+        s = self.post_attention_residual_gate(s, rms(a, self.post_norm_eps))  # weightless post-norm
+        f = self.pre_feedforward_layernorm(s, out_dtype=dtype)
+        b = self.mlp(f)
+        return self.post_feedforward_residual_gate(s, self.post_feedforward_layernorm(b, out_dtype=torch.float32))
+
+
+class MuseSparkForCausalLM(nn.Module):
+    """The text decoder. `forward` takes a flat batch and returns final hidden states."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gain_center=0.0)  # plain weight
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def materialize_constants(self) -> None:
+        """Compute weight-only constants (residual gate alpha/beta) once, after loading."""
+        for module in self.modules():
+            if isinstance(module, ResidualGate):
+                module.materialize()
+            elif isinstance(module, DecoderLayer) and module.self_attn.rope_theta is not None:
+                attn = module.self_attn
+                attn.inv_freq = inv_frequencies(attn.rope_theta, attn.head_dim).to(self.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states y [T, H] in the model dtype."""
+        dtype = self.dtype
+        s = rms(self.embed_tokens(input_ids), self.config.rms_norm_eps)  # fp32 stream
+        rope: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin shared by layers of one base
+        for layer in self.layers:
+            s = layer(s, positions, ctx, rope, dtype)
+        return self.norm(s, out_dtype=dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """y [N, H] -> soft-capped logits [N, V] in fp32: T * tanh(y W^T * m / T)."""
+        cap = self.config.final_logit_softcapping
+        x = F.linear(hidden, self.lm_head.weight).float() * self.config.output_multiplier
+        return cap * torch.tanh(x / cap)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Reference entry point: the [len, vocab] float32 logits of one sequence."""
+        ids = self._check_ids(token_ids)
+        positions = torch.arange(len(token_ids), device=self.device)
+        hidden = self(ids, positions, AttentionContext.for_prompts([len(token_ids)]))
+        return self.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def greedy_continuation(self, token_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Reference greedy decoding by full recompute each step (slow; for tests)."""
+        ids = list(token_ids)
+        for _ in range(max_new_tokens):
+            ids.append(int(self.prompt_logits(ids)[-1].argmax()))
+        return ids[len(token_ids):]
+
+    def _check_ids(self, token_ids: list[int]) -> torch.Tensor:
+        if len(token_ids) == 0:
+            raise ValueError("token_ids must not be empty")
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        if ids.ndim != 1:
+            raise ValueError(f"token_ids must be a flat list of ints, got shape {tuple(ids.shape)}")
+        bad = (ids < 0) | (ids >= self.config.vocab_size)
+        if bool(bad.any()):
+            raise ValueError(
+                f"token_ids must lie in [0, {self.config.vocab_size}), got {int(ids[bad][0])}")
+        return ids
+
+
+@torch.no_grad()
+def init_random_weights(model: MuseSparkForCausalLM, seed: int = 0) -> None:
+    """Randomize every parameter and persistent buffer (norm weights, gates, router bias
+    included), so that parity tests cannot pass by a zero hiding a bug.
+
+    Matrices get std 1/sqrt(fan_in) (activations stay O(1)); the LM head and router are
+    scaled up so that greedy choices and expert choices are decisive, not near-ties.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor is None or name.endswith(("inv_freq", "alpha", "beta")):
+            continue
+        noise = torch.randn(tensor.shape, generator=gen)
+        if name.endswith("residual_gate.gate"):
+            values = noise * 1.0
+        elif name.endswith("e_score_correction_bias"):
+            values = noise * 0.1
+        elif name == "norm.weight":
+            values = 1.0 + noise * 0.2
+        elif tensor.ndim == 1:  # zero-centred norm weights
+            values = noise * 0.2
+        elif name == "lm_head.weight":
+            values = noise * 3.0 / hidden**0.5
+        elif name.endswith("mlp.gate.weight"):
+            values = noise * 2.0 / hidden**0.5
+        else:
+            values = noise / tensor.shape[-1] ** 0.5
+        tensor.copy_(values.to(tensor.dtype))
+    model.materialize_constants()
