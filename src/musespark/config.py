@@ -125,6 +125,13 @@ class ModelConfig:
                     f"config field 'layer_rope_theta'[{i}] must be 0 (NoPE) or a positive number, got {theta!r}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"config field 'head_dim' must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.eos_token_id, int):
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
+        elif isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        for name in ("layer_types", "mlp_layer_types", "layer_rope_theta"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if not self.eos_token_id:
             raise ValueError("config field 'eos_token_id' must name at least one token")
         for tok in (*self.eos_token_id, *(() if self.bos_token_id is None else (self.bos_token_id,))):

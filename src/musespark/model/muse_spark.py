@@ -39,8 +39,8 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         theta = float(cfg.layer_rope_theta[layer])
         self.rope_theta = theta if theta > 0 else None
-        self.register_buffer(
-            "inv_freq", inv_frequencies(theta, D) if theta > 0 else None, persistent=False)
+        # Filled by `materialize_constants` (not here: building on the meta device stays cheap).
+        self.register_buffer("inv_freq", None, persistent=False)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -50,6 +50,8 @@ class Attention(nn.Module):
         k = rms(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps)
         v = self.v_proj(h).view(T, self.num_kv_heads, D)
         if self.rope_theta is not None:
+            if self.inv_freq is None:
+                self.inv_freq = inv_frequencies(self.rope_theta, D).to(h.device)
             if self.rope_theta not in rope:
                 rope[self.rope_theta] = cos_sin(positions, self.inv_freq)
             cos, sin = rope[self.rope_theta]
@@ -84,16 +86,30 @@ class DecoderLayer(nn.Module):
         return self.post_feedforward_residual_gate(s, self.post_feedforward_layernorm(b, out_dtype=torch.float32))
 
 
+class Embedding(nn.Module):
+    """A plain lookup table [V, H]. (Not `nn.Embedding`: its random init on the meta
+    device pulls in heavy imports while loading; ours is filled by the loader.)"""
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class MuseSparkForCausalLM(nn.Module):
     """The text decoder. `forward` takes a flat batch and returns final hidden states."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gain_center=0.0)  # plain weight
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:  # a loaded checkpoint that has its own head replaces this
+            self.lm_head.weight = self.embed_tokens.weight
 
     @property
     def dtype(self) -> torch.dtype:
