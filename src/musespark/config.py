@@ -96,6 +96,8 @@ class ModelConfig:
                 "config field 'num_experts_per_tok' must be <= 'num_local_experts', "
                 f"got {self.num_experts_per_tok} > {self.num_local_experts}"
             )
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"config field 'tie_word_embeddings' must be true or false, got {self.tie_word_embeddings!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"config field 'hidden_act' must be 'silu', got {self.hidden_act!r}")
         # Fill per-layer defaults (frozen dataclass: use object.__setattr__).
@@ -175,7 +177,7 @@ class ModelConfig:
         kwargs: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "checkpoint_dtype", "rope_theta"}
         for name in names:
-            if name in text and text[name] is not None:
+            if name in text and (text[name] is not None or name == "bos_token_id"):
                 kwargs[name] = text[name]
         rope = text.get("rope_parameters")
         if rope is None and "rope_theta" in text:  # older schema

@@ -34,8 +34,10 @@ class Attention(nn.Module):
         self.gate_proj = nn.Linear(H, self.num_heads * D, bias=False)  # the output gate
         self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
         self.eps = cfg.rms_norm_eps
-        # The weightless QK-norm makes the extra query multiplier foldable into the scale.
-        self.scale = cfg.qk_scale_factor / math.sqrt(D)
+        # Queries are multiplied by qk_scale_factor after the weightless QK-norm (in fp32);
+        # equal to folding it into the softmax scale, and closer to the reference's rounding.
+        self.scale = 1 / math.sqrt(D)
+        self.qk_scale = cfg.qk_scale_factor
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         theta = float(cfg.layer_rope_theta[layer])
         self.rope_theta = theta if theta > 0 else None
@@ -46,7 +48,7 @@ class Attention(nn.Module):
                 rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """h [T, H] (model dtype) -> a [T, H] (model dtype)."""
         T, dtype, D = h.shape[0], h.dtype, self.head_dim
-        q = rms(self.q_proj(h).view(T, self.num_heads, D), self.eps)  # fp32, weightless QK-norm
+        q = rms(self.q_proj(h).view(T, self.num_heads, D), self.eps) * self.qk_scale  # fp32, weightless QK-norm
         k = rms(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps)
         v = self.v_proj(h).view(T, self.num_kv_heads, D)
         if self.rope_theta is not None:
