@@ -2,6 +2,7 @@
 
 from .config import ModelConfig
 from .model import MuseSparkForCausalLM, load_model
+from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "MuseSparkForCausalLM", "load_model", "__version__"]
+__all__ = ["ModelConfig", "MuseSparkForCausalLM", "SamplingParams", "load_model", "__version__"]

@@ -29,6 +29,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 1024 * 1024
+_COPY_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,18 @@ class SafetensorsFile:
         if e.end == e.start:
             return out
         assert self._mmap is not None
+        itemsize = _itemsize(e.dtype)
         with warnings.catch_warnings():  # the mapping is read-only; we only read from it
             warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(self._mmap, dtype=e.dtype, count=(e.end - e.start) // _itemsize(e.dtype),
-                                   offset=e.start)
-        out.copy_(src.view(e.shape))
+            src = torch.frombuffer(self._mmap, dtype=e.dtype, count=(e.end - e.start) // itemsize, offset=e.start)
+        # Copy in slices and drop each slice's pages right away, so a conversion
+        # (e.g. an fp32 file into bf16) never holds a whole source tensor resident.
+        flat = out.view(-1)
+        step = max(1, _COPY_CHUNK_BYTES // itemsize)
+        for i in range(0, flat.numel(), step):
+            flat[i:i + step].copy_(src[i:i + step])
+            self._release(e.start + i * itemsize, e.start + min(flat.numel(), i + step) * itemsize)
         del src
-        self._release(e.start, e.end)
         return out
 
     def _release(self, start: int, end: int) -> None:

@@ -61,15 +61,26 @@ def _attend(
     k_pos: torch.Tensor,  # [m] key positions
     scale: float,
     window: int | None,
+    plain_causal: bool = False,
 ) -> torch.Tensor:
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask &= k_pos[None, :] > q_pos[:, None] - window
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(0, 1)  # [n, nH, D]
+    """Softmax attention of n queries over m keys, masked by position -> [n, nH, D].
+
+    `plain_causal` (a whole sequence from position 0, no window) takes SDPA's causal
+    kernel without a mask; otherwise keys are masked explicitly.
+    """
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, D]
+    if plain_causal:
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k4, v4 = k4.repeat_interleave(groups, dim=1), v4.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)  # [n, nH, D]
 
 
 def paged_attention(
@@ -89,7 +100,10 @@ def paged_attention(
         for b in range(ctx.num_seqs):
             s, e = qsl[b], qsl[b + 1]
             if e > s:
-                out[s:e] = _attend(q[s:e], k[s:e], v[s:e], positions[s:e], positions[s:e], scale, window)
+                pos = positions[s:e]
+                plain = window is None or (e - s) <= window
+                out[s:e] = _attend(q[s:e], k[s:e], v[s:e], pos, pos, scale, window,
+                                   plain_causal=plain and int(pos[0]) == 0)
         return out
 
     assert ctx.groups is not None and ctx.layer_group is not None
@@ -111,7 +125,7 @@ def paged_attention(
         first_block = first_key // block_size
         last_block = (seq_len - 1) // block_size
         blocks = group.block_tables[b, first_block:last_block + 1]
-        slots = (blocks[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)[None, :]).reshape(-1)
         start = first_block * block_size
         slots = slots[: seq_len - start]
         k_pos = torch.arange(start, seq_len, device=q.device)

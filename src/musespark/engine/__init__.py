@@ -1,0 +1,1 @@
+"""Engine: requests, scheduler, KV block manager, model runner, sampler, detokenizer."""

@@ -1,0 +1,411 @@
+"""KV cache blocks: allocation, prefix reuse, sliding-window release, ref counts.
+
+Pure Python, no tensors. A block id indexes every layer's K/V tensor
+`[num_blocks, block_size, nKV, D]`; token position p of a sequence lives in logical
+block p // block_size at offset p % block_size, so its flat cache slot is
+`block_table[p // block_size] * block_size + p % block_size`.
+
+Layers are split into KV groups (`group_windows[g]` is None for full attention, W for
+a sliding window of W keys). Every request has one block table per group; all groups
+draw from ONE `BlockPool`, so they share the memory budget.
+
+Every block is in exactly one of three states:
+
+* used        ref_cnt > 0, referenced by >= 1 request tables (shared prefix blocks);
+* cached-free ref_cnt == 0 but still holds a hashed full block: reusable by a prefix
+              hit until evicted, least recently freed first;
+* free        ref_cnt == 0 and holds nothing worth keeping.
+
+New blocks come from `free` first and only then evict `cached-free` blocks (LRU), so
+a cached prefix is never thrown away while a worthless block is available.
+
+Design choices:
+
+* No block is reserved: -1 is the null entry of a block table (a sliding block that
+  fell out of the window). Attention never reads entries before
+  `(first_query_pos - W + 1) // block_size`, which is exactly what is released here.
+* Block hash = sha256(parent_digest || int64 token ids of the block) — chained, so the
+  same block content after a different prefix gets a different hash; stable across
+  processes. The cache key is `(group, hash)` because each group's layers hold
+  different K/V for the same tokens.
+* A block is hashed once all its tokens are computed (`cache_full_blocks`, also done
+  by `allocate_slots` for the tokens it is told are computed). Sliding groups are hashed
+  too; a sliding-group prefix hit only needs the blocks the window can still reach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+NULL_BLOCK = -1  # block-table entry for a released (or never needed) sliding block
+
+BlockHash = bytes  # 32-byte sha256 digest
+CacheKey = tuple[int, BlockHash]  # (group, block hash)
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of one full block: depends on the block's tokens and its whole prefix."""
+    h = hashlib.sha256(parent if parent is not None else b"\x00" * 32)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+def num_blocks_for_budget(
+    kv_cache_memory_bytes: int,
+    block_size: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+) -> int:
+    """How many blocks fit: one block holds K and V of `block_size` tokens for every layer."""
+    for name, v in (("block_size", block_size), ("num_layers", num_layers),
+                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+    return max(0, kv_cache_memory_bytes) // per_block
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    cache_key: CacheKey | None = None  # set while the block holds a registered full block
+
+
+class BlockPool:
+    """Fixed set of blocks with ref counts, a plain free list and an LRU of cached-free blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()  # oldest first = next evicted
+        self._cached: dict[CacheKey, int] = {}  # (group, hash) -> block id
+
+    # -- counts ---------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + cached-free)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    # -- prefix cache ---------------------------------------------------------
+    def lookup(self, key: CacheKey) -> int | None:
+        return self._cached.get(key) if self.enable_prefix_caching else None
+
+    def register(self, block_id: int, key: CacheKey) -> bool:
+        """Mark a used, now full block as cached under `key`; False if the key is taken."""
+        if not self.enable_prefix_caching or key in self._cached:
+            return False
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0 and block.cache_key is None, block
+        block.cache_key = key
+        self._cached[key] = block_id
+        return True
+
+    # -- ref counting ---------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take n blocks (ref_cnt 1): plain free ones first, then evict cached-free LRU."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"need {n} blocks, only {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                bid, _ = self._free.popitem(last=False)
+            else:
+                bid, _ = self._cached_free.popitem(last=False)
+                block = self.blocks[bid]
+                assert block.cache_key is not None
+                del self._cached[block.cache_key]
+                block.cache_key = None
+            self.blocks[bid].ref_cnt = 1
+            out.append(bid)
+        return out
+
+    def touch(self, block_id: int) -> None:
+        """Add a reference to an existing (cached) block, reviving it if it was cached-free."""
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            del self._cached_free[block_id]
+        block.ref_cnt += 1
+
+    def release(self, block_id: int) -> None:
+        """Drop one reference; at zero the block becomes cached-free (if hashed) or free."""
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0, f"double free of block {block_id}"
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.cache_key is not None:
+                self._cached_free[block_id] = None  # most recently freed -> evicted last
+            else:
+                self._free[block_id] = None
+
+    def check_invariants(self) -> None:
+        used = [b for b in self.blocks if b.ref_cnt > 0]
+        assert len(self._free) + len(self._cached_free) + len(used) == self.num_blocks
+        assert not (self._free.keys() & self._cached_free.keys())
+        for b in self.blocks:
+            assert b.ref_cnt >= 0, b
+            if b.ref_cnt == 0:
+                assert (b.block_id in self._cached_free) == (b.cache_key is not None), b
+                assert (b.block_id in self._free) == (b.cache_key is None), b
+            else:
+                assert b.block_id not in self._free and b.block_id not in self._cached_free, b
+            if b.cache_key is not None:
+                assert self._cached.get(b.cache_key) == b.block_id, b
+        for key, bid in self._cached.items():
+            assert self.blocks[bid].cache_key == key
+        if not self.enable_prefix_caching:
+            assert not self._cached
+
+
+@dataclass
+class _RequestState:
+    tables: list[list[int]]  # per group, indexed by logical block; NULL_BLOCK = released
+    hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks
+    num_hashed: list[int] = field(default_factory=list)  # per group: leading blocks already registered
+
+
+class KVCacheManager:
+    """Block tables of every request in every KV group, over one shared `BlockPool`."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        group_windows: Sequence[int | None],
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if not group_windows:
+            raise ValueError("need at least one KV group")
+        for w in group_windows:
+            if w is not None and w <= 0:
+                raise ValueError(f"sliding window must be positive, got {w}")
+        self.block_size = block_size
+        self.group_windows: list[int | None] = list(group_windows)
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._requests: dict[str, _RequestState] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+
+    # -- small helpers ----------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-free blocks count as free)."""
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def _first_reachable_block(self, group: int, first_query_pos: int) -> int:
+        """Lowest logical block a query at >= first_query_pos can read in `group`."""
+        w = self.group_windows[group]
+        return 0 if w is None else max(0, first_query_pos - w + 1) // self.block_size
+
+    def _hashes(self, token_ids: Sequence[int], n_blocks: int, known: list[BlockHash]) -> list[BlockHash]:
+        """Extend `known` (in place) to the chained hashes of the first n_blocks full blocks."""
+        bs = self.block_size
+        while len(known) < n_blocks:
+            i = len(known)
+            known.append(hash_block(known[-1] if known else None, token_ids[i * bs:(i + 1) * bs]))
+        return known
+
+    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[int, list[BlockHash]]:
+        """Longest number of leading blocks usable from the cache in every group."""
+        bs = self.block_size
+        max_blocks = max(0, len(token_ids) - 1) // bs  # at least one token must be computed
+        if not self.enable_prefix_caching or max_blocks == 0:
+            return 0, []
+        hashes = self._hashes(token_ids, max_blocks, [])
+        present = [[self.pool.lookup((g, h)) is not None for h in hashes] for g in range(self.num_groups)]
+        # Full groups need every block of the prefix.
+        k = max_blocks
+        for g, w in enumerate(self.group_windows):
+            if w is None:
+                n = 0
+                while n < k and present[g][n]:
+                    n += 1
+                k = n
+        # Sliding groups need only the blocks the next query (at k * bs) can reach.
+        while k > 0 and not all(
+            all(present[g][self._first_reachable_block(g, k * bs):k])
+            for g, w in enumerate(self.group_windows) if w is not None
+        ):
+            k -= 1
+        return k, hashes[:k]
+
+    # -- public API -------------------------------------------------------------
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Prompt tokens whose KV is already cached (a multiple of block_size, < len(token_ids)).
+
+        A pure lookup: nothing is claimed until `allocate_slots`, which must follow
+        before any other allocation could evict the hit blocks.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        k, _ = self._cached_prefix(token_ids)
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += k * self.block_size
+        return k * self.block_size
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+    ) -> bool:
+        """Make positions [0, num_computed_tokens + num_new_tokens) writable/readable in every group.
+
+        For a request without blocks, `num_computed_tokens` must be 0 or the value
+        `get_computed_blocks` just returned: those blocks are shared from the cache.
+        Full blocks below `num_computed_tokens` get hashed; sliding-group blocks the
+        queries at >= num_computed_tokens cannot reach are released (-1).
+        Returns False and changes nothing when the pool cannot supply the blocks.
+        """
+        bs = self.block_size
+        c, total = num_computed_tokens, num_computed_tokens + num_new_tokens
+        if c < 0 or num_new_tokens < 0 or c > len(token_ids):
+            raise ValueError(f"bad token counts: computed={c}, new={num_new_tokens}, len={len(token_ids)}")
+        state = self._requests.get(request_id)
+        hit_blocks: list[list[int]] = [[] for _ in range(self.num_groups)]
+        if state is None:
+            if c % bs:
+                raise ValueError(f"a new request's computed tokens must be whole cached blocks, got {c}")
+            k = c // bs
+            hashes = self._hashes(token_ids, k, [])
+            for g in range(self.num_groups):
+                first = self._first_reachable_block(g, c)
+                for i, h in enumerate(hashes):
+                    bid = self.pool.lookup((g, h)) if i >= first else NULL_BLOCK
+                    if bid is None:
+                        raise ValueError(f"block {i} of {request_id!r} is not cached (any more)")
+                    hit_blocks[g].append(bid)
+            tables = [list(t) for t in hit_blocks]
+        else:
+            tables = state.tables  # only read until the commit below
+
+        # Plan: what to release and how many blocks to add per group.
+        to_release: list[list[int]] = []
+        to_add: list[tuple[int, int]] = []  # (first new logical index, n new blocks) per group
+        end = -(-total // bs)
+        for g, table in enumerate(tables):
+            first = self._first_reachable_block(g, c)
+            to_release.append([i for i in range(min(first, len(table))) if table[i] != NULL_BLOCK])
+            start = max(len(table), first)
+            to_add.append((start, max(0, end - start)))
+        need = sum(n for _, n in to_add)
+        revived = {b for hb in hit_blocks for b in hb if b != NULL_BLOCK and self.pool.blocks[b].ref_cnt == 0}
+        # Blocks only this request holds become allocatable once released.
+        freed = sum(
+            1 for g, idx in enumerate(to_release) for i in idx if self.pool.blocks[tables[g][i]].ref_cnt == 1
+        )
+        if need + len(revived) > self.pool.num_free_blocks + freed:
+            return False
+
+        # Commit.
+        if state is None:
+            for hb in hit_blocks:
+                for b in hb:
+                    if b != NULL_BLOCK:
+                        self.pool.touch(b)
+            state = _RequestState(tables=tables, hashes=hashes, num_hashed=[len(t) for t in tables])
+            self._requests[request_id] = state
+        self._register_full_blocks(state, token_ids, c)
+        for g, idx in enumerate(to_release):
+            for i in reversed(idx):
+                self.pool.release(tables[g][i])
+                tables[g][i] = NULL_BLOCK
+        for g, (start, n) in enumerate(to_add):
+            table = tables[g]
+            table.extend([NULL_BLOCK] * (start - len(table)))
+            table.extend(self.pool.allocate(n))
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the hashes of blocks that are full and computed (call after each step)."""
+        self._register_full_blocks(self._requests[request_id], token_ids, num_computed_tokens)
+
+    def _register_full_blocks(self, state: _RequestState, token_ids: Sequence[int], num_computed: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        n_full = min(num_computed, len(token_ids)) // self.block_size
+        if all(n >= n_full for n in state.num_hashed):
+            return
+        self._hashes(token_ids, n_full, state.hashes)
+        for g, table in enumerate(state.tables):
+            for i in range(state.num_hashed[g], min(n_full, len(table))):
+                bid = table[i]
+                if bid != NULL_BLOCK and self.pool.blocks[bid].cache_key is None:
+                    self.pool.register(bid, (g, state.hashes[i]))  # duplicate content: stays unhashed
+            state.num_hashed[g] = max(state.num_hashed[g], min(n_full, len(table)))
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request (finish, abort or preemption). Unknown ids are ignored."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        # Tail blocks first, so a chain's tail is evicted before its head.
+        for table in state.tables:
+            for bid in reversed(table):
+                if bid != NULL_BLOCK:
+                    self.pool.release(bid)
+
+    def block_table(self, request_id: str, group: int) -> list[int]:
+        """Logical block index -> block id (NULL_BLOCK = released); a copy."""
+        return list(self._requests[request_id].tables[group])
+
+    def num_held_blocks(self, request_id: str, group: int) -> int:
+        return sum(1 for b in self._requests[request_id].tables[group] if b != NULL_BLOCK)
+
+    def slot_mapping(self, request_id: str, group: int, positions: Sequence[int]) -> list[int]:
+        """Flat cache slot of each position: block_id * block_size + offset."""
+        table = self._requests[request_id].tables[group]
+        bs = self.block_size
+        out = []
+        for p in positions:
+            i = p // bs
+            if p < 0 or i >= len(table) or table[i] == NULL_BLOCK:
+                raise IndexError(f"position {p} of {request_id!r} has no block in group {group}")
+            out.append(table[i] * bs + p % bs)
+        return out
+
+    def check_invariants(self) -> None:
+        """Pool partition is exact and every ref count equals the table entries pointing at it."""
+        self.pool.check_invariants()
+        refs = [0] * self.pool.num_blocks
+        for rid, state in self._requests.items():
+            seen: set[int] = set()
+            for table in state.tables:
+                for bid in table:
+                    if bid != NULL_BLOCK:
+                        assert bid not in seen, f"block {bid} twice in {rid!r}"
+                        seen.add(bid)
+                        refs[bid] += 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == refs[b.block_id], (b, refs[b.block_id])

@@ -1,0 +1,248 @@
+"""The sampler: one batched pass from fp32 logits [B, V] to one token per row.
+
+Order (vLLM's): penalties -> min_tokens mask -> greedy rows take argmax; the other rows
+divide by temperature, apply top-k, top-p, min-p, then draw.
+
+Drawing uses the exponential race: with q ~ Exponential(1) per token,
+argmax(probs / q) is a sample from probs. A seeded row draws its q (shape [V]) from
+its own `torch.Generator`, so its tokens depend only on its seed, its logits and how
+many steps the generator has already served — never on the rest of the batch.
+Unseeded rows draw from the global RNG.
+
+Reported logprobs are those of the raw logits (log_softmax before penalties and
+temperature), as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from musespark.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters as tensors; build once per step with `build`."""
+
+    temperature: torch.Tensor  # [B] fp32; 1.0 on greedy rows (never divides by ~0)
+    top_p: torch.Tensor  # [B] fp32 in (0, 1]
+    top_k: torch.Tensor  # [B] int64 in [1, V]; V where disabled
+    min_p: torch.Tensor  # [B] fp32 in [0, 1]
+    presence_penalty: torch.Tensor  # [B] fp32
+    frequency_penalty: torch.Tensor  # [B] fp32
+    repetition_penalty: torch.Tensor  # [B] fp32
+    greedy: torch.Tensor  # [B] bool
+    generators: list[torch.Generator | None]  # [B]; seeded rows only
+    num_logprobs: list[int | None]  # [B]; top logprobs each row asked for
+    sampled_rows: list[int]  # rows that are not greedy (host-side, no device sync)
+    max_top_k: int  # largest top_k over sampled rows (V if any has top-k disabled)
+    # Penalty state; None when no row has a penalty (the common case skips the [B, V] work).
+    output_counts: torch.Tensor | None  # [B, V] fp32: times each token appears in the output
+    seen_mask: torch.Tensor | None  # [B, V] bool: token appears in prompt or output
+    # Host-side flags so `sample` skips work no row needs.
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    need_penalties: bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        asked = [k for k in self.num_logprobs if k is not None]
+        return max(asked) if asked else None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        generators: list[torch.Generator | None],
+        *,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Gather row parameters into tensors. All lists are indexed by batch row.
+
+        `generators[i]` must be a generator on `device` for a seeded row (the engine makes
+        it once per request from `params[i].seed` and keeps it across steps), None otherwise.
+        """
+        B, V = len(params), vocab_size
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == B):
+            raise ValueError(
+                f"batch lists disagree in length: params={B}, prompts={len(prompt_token_ids)}, "
+                f"outputs={len(output_token_ids)}, generators={len(generators)}"
+            )
+        if B == 0:
+            raise ValueError("SamplingBatch.build needs at least one row")
+
+        def f32(vals: list[float]) -> torch.Tensor:
+            return torch.tensor(vals, dtype=torch.float32, device=device)
+
+        greedy = [p.greedy for p in params]
+        top_k = [V if p.top_k <= 0 else min(p.top_k, V) for p in params]
+        need_penalties = any(
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+            for p in params
+        )
+        sampled = [not g for g in greedy]  # top-k/p and min-p only matter on sampled rows
+
+        output_counts = seen_mask = None
+        if need_penalties:
+            output_counts = _token_counts(output_token_ids, V, device)
+            seen_mask = (_token_counts(prompt_token_ids, V, device) > 0) | (output_counts > 0)
+
+        return cls(
+            temperature=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            top_p=f32([p.top_p for p in params]),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            min_p=f32([p.min_p for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            generators=list(generators),
+            num_logprobs=[p.logprobs for p in params],
+            sampled_rows=[i for i, g in enumerate(greedy) if not g],
+            max_top_k=max((k for s, k in zip(sampled, top_k) if s), default=V),
+            output_counts=output_counts,
+            seen_mask=seen_mask,
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            need_top_k=any(s and k < V for s, k in zip(sampled, top_k)),
+            need_top_p=any(s and p.top_p < 1.0 for s, p in zip(sampled, params)),
+            need_min_p=any(s and p.min_p > 0.0 for s, p in zip(sampled, params)),
+            need_penalties=need_penalties,
+        )
+
+
+def _token_counts(token_ids: list[list[int]], V: int, device: torch.device | str) -> torch.Tensor:
+    """[B, V] fp32 count of each token id per row."""
+    B = len(token_ids)
+    counts = torch.zeros(B, V, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(t) for t in token_ids], device=device)
+    if int(lengths.sum()) == 0:
+        return counts
+    ids = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64, device=device)
+    if int(ids.min()) < 0 or int(ids.max()) >= V:
+        raise ValueError(f"token ids must lie in [0, {V}), got min {int(ids.min())} max {int(ids.max())}")
+    rows = torch.repeat_interleave(torch.arange(B, device=device), lengths)
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] fp32: chosen token under the raw logits' log_softmax
+    top_logprobs: torch.Tensor | None  # [B, K] fp32, descending; K = max asked in the batch
+    top_token_ids: torch.Tensor | None  # [B, K] int64
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt + output), frequency and presence penalties, in place. [B, V]."""
+    assert batch.output_counts is not None and batch.seen_mask is not None
+    rep = batch.repetition_penalty[:, None]  # [B, 1]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(batch.seen_mask, penalized, logits)
+    logits -= batch.frequency_penalty[:, None] * batch.output_counts
+    logits -= batch.presence_penalty[:, None] * (batch.output_counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask to -inf all but each row's top_k tokens, then the smallest prefix of those
+    whose probability sums to >= top_p (the top token always stays). [B, V]."""
+    V = logits.shape[-1]
+    K = batch.max_top_k
+    if K < V:  # every sampled row keeps at most K tokens: rank only those (cheaper than a sort)
+        sorted_logits, order = logits.topk(K, dim=-1)  # [B, K], descending
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    if batch.need_top_k:
+        rank = torch.arange(K, device=logits.device)[None, :]  # [1, K]
+        sorted_logits.masked_fill_(rank >= batch.top_k[:, None], float("-inf"))
+    if batch.need_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [B, K]; 0 at rank 0
+        # Rows with top_p == 1 are left alone: rounding could push the cumsum past 1.
+        drop = (mass_before >= batch.top_p[:, None]) & (batch.top_p < 1.0)[:, None]
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    out = torch.full_like(logits, float("-inf"))  # tokens outside the top K stay dropped
+    return out.scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p * (the row's top probability). [B, V]."""
+    probs = logits.softmax(dim=-1)
+    threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row from probs [B, V]; seeded rows use only their own generator."""
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        if len(unseeded) == len(generators):
+            q.exponential_()
+        else:
+            idx = torch.tensor(unseeded, device=probs.device)
+            q[idx] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)  # [V] from this row's stream alone
+    return (probs / q).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    min_tokens_mask: torch.Tensor | None = None,
+) -> SamplerOutput:
+    """Pick one token per row. logits: [B, V] fp32 (not modified).
+    min_tokens_mask: [B, V] bool, True = token forbidden this step (e.g. EOS before min_tokens).
+    """
+    B, V = logits.shape
+    if B != batch.batch_size:
+        raise ValueError(f"logits have {B} rows but the batch has {batch.batch_size}")
+    raw = logits.float()
+
+    x = raw.clone()
+    if batch.need_penalties:
+        x = apply_penalties(x, batch)
+    if min_tokens_mask is not None:
+        x = x.masked_fill(min_tokens_mask, float("-inf"))
+
+    token_ids = x.argmax(dim=-1)  # [B]; final for greedy rows
+    if not batch.all_greedy:
+        x = x / batch.temperature[:, None]
+        if batch.need_top_k or batch.need_top_p:
+            x = apply_top_k_top_p(x, batch)
+        if batch.need_min_p:
+            x = apply_min_p(x, batch)
+        probs = x.softmax(dim=-1)  # [B, V]
+        if batch.any_greedy:  # draw only for sampled rows; greedy rows spend no randomness
+            rows = batch.sampled_rows
+            idx = torch.tensor(rows, device=logits.device)
+            token_ids[idx] = _exponential_race(probs[idx], [batch.generators[i] for i in rows])
+        else:
+            token_ids = _exponential_race(probs, batch.generators)
+
+    # Reported logprobs: the raw model distribution, before penalties/temperature.
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [B, 1]
+    chosen = (raw.gather(-1, token_ids[:, None]) - lse).squeeze(-1)  # [B]
+    top_lp = top_ids = None
+    K = batch.max_num_logprobs
+    if K is not None:
+        vals, top_ids = raw.topk(min(K, V), dim=-1)  # order of logits == order of logprobs
+        top_lp = vals - lse
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top_lp, top_token_ids=top_ids)
