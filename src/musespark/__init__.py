@@ -3,6 +3,9 @@
 from .config import ModelConfig
 from .model import MuseSparkForCausalLM, load_model
 from .sampling_params import SamplingParams
+from .engine.llm import LLM
+from .engine.outputs import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "MuseSparkForCausalLM", "SamplingParams", "load_model", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "ModelConfig", "MuseSparkForCausalLM", "RequestOutput", "SamplingParams",
+           "load_model", "__version__"]

@@ -244,3 +244,40 @@ class ModelConfig:
         out.setdefault("projector_hidden_size", 64)
         out["tie_word_embeddings"] = self.tie_word_embeddings
         return out
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: `kv_cache_memory` bytes (or `kv_cache_fraction` of available RAM
+    when not given), in blocks of `block_size` tokens."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kv_cache_memory is not None and (
+                isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, int)
+                or self.kv_cache_memory <= 0):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if not isinstance(self.kv_cache_fraction, (int, float)) or not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: at most `max_num_seqs` sequences and
+    `max_num_batched_tokens` tokens per step; no sequence longer than `max_model_len`."""
+
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,165 @@
+"""`LLM`: vLLM's offline API over the engine.
+
+    llm = LLM()                                  # the bundled model
+    outs = llm.generate(["def f(x):"], SamplingParams(max_tokens=32))
+    outs[0].outputs[0].text
+
+Every argument is checked before any work starts; a bad one is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import CacheConfig
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+
+Prompt = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int | None = 0,
+        block_size: int = 16,
+        kv_cache_fraction: float = 0.2,
+        show_progress: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise ValueError(f"LLM() got unknown argument(s): {sorted(kwargs)}")
+        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                            kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching)
+        progress = _progress_bar("Loading weights") if show_progress else None
+        self.engine = LLMEngine(model, dtype=dtype, cache=cache, max_model_len=max_model_len,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                seed=seed, progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- generation -------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in prompt order."""
+        ids = self._submit(prompts, sampling_params)
+        results: dict[str, RequestOutput] = {}
+        bar = _progress_bar("Processed prompts", total=len(ids)) if use_tqdm else None
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar(len(results), len(ids))
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [results[rid] for rid in ids]
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Streaming form: yields a RequestOutput each step the request advances; each
+        completion's `delta_text` / `delta_token_ids` hold what that step added.
+        Closing the iterator early aborts the request."""
+        (rid,) = self._submit([prompt], sampling_params)
+        done = False
+        try:
+            while not done and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield out
+        finally:
+            if not done:
+                self.engine.abort_request(rid)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation (a list of messages)
+        or several, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # -- helpers ------------------------------------------------------------------
+    def _submit(self, prompts: Prompt | Sequence[Prompt], sampling_params: Any) -> list[str]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a {'prompt_token_ids': [...]} dict, or a non-empty list of them")
+        if sampling_params is None:
+            sampling_params = self.default_sampling_params()
+        if isinstance(sampling_params, dict):
+            sampling_params = SamplingParams.from_dict(sampling_params)
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            if not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError("sampling_params must be SamplingParams (or a list of them)")
+        # Validate everything before queueing anything.
+        tokenized = []
+        for prompt, p in zip(prompts, params):
+            text, ids = self.engine.tokenize_prompt(prompt)
+            self.engine.validate(ids, p)
+            tokenized.append({"prompt": text, "prompt_token_ids": ids} if text is not None
+                             else {"prompt_token_ids": ids})
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        for rid, prompt, p in zip(request_ids, tokenized, params):
+            self.engine.add_request(rid, prompt, p)
+        return request_ids
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults, overridden by the checkpoint's generation_config.json."""
+        return SamplingParams(**self.engine.generation_defaults)
+
+
+def _progress_bar(desc: str, total: int | None = None):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, leave=False)
+
+    def update(done: int, total_: int) -> None:
+        if bar.total != total_:
+            bar.total = total_
+        bar.n = done
+        bar.refresh()
+        if done >= total_:
+            bar.close()
+
+    return update

@@ -1,0 +1,158 @@
+"""Turns a scheduled batch into one flat model call, then samples.
+
+KV layout (hybrid allocation): layers are split into KV groups of equal size S, full-
+attention layers apart from sliding-window ones (S = the smaller of the two counts). The
+cache holds S K/V tensor pairs `[num_blocks, block_size, nKV, D]`; the j-th layer of
+every group uses pair j. A block id belongs to one group at a time, so groups never
+write into each other's blocks, and a sliding group that releases blocks outside its
+window really gives memory back to the pool.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CacheConfig, ModelConfig
+from ..layers.attention import AttentionContext, KVGroup
+from ..layers.sampler import SamplingBatch, sample
+from ..model.muse_spark import MuseSparkForCausalLM
+from .block_manager import KVCacheManager, NULL_BLOCK, num_blocks_for_budget
+from .request import Request
+from .scheduler import ScheduledBatch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    layer_group: list[int]  # layer -> KV group
+    layer_slot: list[int]  # layer -> index of its K/V tensor pair
+    group_windows: list[int | None]  # per group: sliding window or None
+    num_slots: int  # K/V tensor pairs
+
+
+def kv_layout(cfg: ModelConfig) -> KVLayout:
+    full = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sliding(i)]
+    sliding = [i for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i)]
+    size = min(len(full), len(sliding)) or cfg.num_hidden_layers
+    layer_group = [0] * cfg.num_hidden_layers
+    layer_slot = [0] * cfg.num_hidden_layers
+    windows: list[int | None] = []
+    for layers, window in ((full, None), (sliding, cfg.sliding_window)):
+        for start in range(0, len(layers), size):
+            for j, layer in enumerate(layers[start:start + size]):
+                layer_group[layer], layer_slot[layer] = len(windows), j
+            windows.append(window)
+    return KVLayout(layer_group, layer_slot, windows, size)
+
+
+def available_memory() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 << 30
+
+
+@dataclass
+class StepOutput:
+    sampled: dict[str, int]  # request id -> new token
+    logprobs: dict[str, tuple[float, dict[int, float]]]  # for requests that asked
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, model: MuseSparkForCausalLM, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> None:
+        self.model = model
+        cfg = model.config
+        self.layout = kv_layout(cfg)
+        self.block_size = cache.block_size
+        dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
+        budget = cache.kv_cache_memory or int(available_memory() * cache.kv_cache_fraction)
+        num_blocks = num_blocks_for_budget(budget, cache.block_size, self.layout.num_slots,
+                                           cfg.num_key_value_heads, cfg.head_dim, dtype_bytes)
+        # No point holding more than max_num_seqs full-length sequences need.
+        per_seq = -(-max_model_len // cache.block_size) + 1
+        num_blocks = min(num_blocks, max_num_seqs * per_seq * len(self.layout.group_windows))
+        per_seq_min = sum(
+            -(-max_model_len // cache.block_size) if w is None else -(-w // cache.block_size) + 2
+            for w in self.layout.group_windows)
+        if num_blocks < per_seq_min:
+            raise ValueError(
+                f"kv_cache_memory={budget} bytes gives {num_blocks} KV blocks, but one sequence of "
+                f"max_model_len={max_model_len} needs {per_seq_min}; raise kv_cache_memory or lower max_model_len")
+        self.num_blocks = num_blocks
+        shape = (num_blocks, cache.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        slots = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
+                  torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in range(self.layout.num_slots)]
+        self.kv_caches = [slots[s] for s in self.layout.layer_slot]
+        self.kv_bytes = 2 * self.layout.num_slots * num_blocks * cache.block_size * cfg.num_key_value_heads \
+            * cfg.head_dim * dtype_bytes
+        self.kv = KVCacheManager(num_blocks, cache.block_size, self.layout.group_windows,
+                                 enable_prefix_caching=cache.enable_prefix_caching)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        device = self.model.device
+        ids: list[int] = []
+        positions: list[int] = []
+        qsl, seq_lens = [0], []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        groups: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in self.layout.group_windows]
+        for request, n in zip(batch.requests, batch.num_new):
+            start = request.num_computed_tokens
+            end = start + n
+            ids.extend(request.token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            for g, (slots, tables) in enumerate(groups):
+                slots.extend(self.kv.slot_mapping(request.request_id, g, pos))
+                tables.append(self.kv.block_table(request.request_id, g))
+            if end == request.num_tokens:  # the last known token is computed: sample the next
+                sample_rows.append(qsl[-1] - 1)
+                sample_reqs.append(request)
+        kv_groups = []
+        for slots, tables in groups:
+            width = max(len(t) for t in tables)
+            padded = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
+            kv_groups.append(KVGroup(slot_mapping=torch.tensor(slots, device=device),
+                                     block_tables=torch.tensor(padded, device=device)))
+        ctx = AttentionContext(query_start_loc=qsl, seq_lens=seq_lens, kv_caches=self.kv_caches,
+                               groups=kv_groups, layer_group=self.layout.layer_group)
+        hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), ctx)
+        out = StepOutput(sampled={}, logprobs={}, num_tokens=len(ids))
+        if not sample_reqs:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+        self._sample(logits, sample_reqs, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], out: StepOutput) -> None:
+        V = logits.shape[-1]
+        params = [r.params for r in requests]
+        batch = SamplingBatch.build(
+            params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests], V,
+            [r.generator for r in requests], device=logits.device)
+        mask = None
+        blocked = [(i, r) for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+        if blocked:
+            mask = torch.zeros_like(logits, dtype=torch.bool)
+            for i, r in blocked:
+                stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+                ids = [t for t in stop_ids if 0 <= t < V]
+                if ids:
+                    mask[i, ids] = True
+        result = sample(logits, batch, mask)
+        tokens = result.token_ids.tolist()
+        chosen = result.logprobs.tolist()
+        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        for i, r in enumerate(requests):
+            out.sampled[r.request_id] = tokens[i]
+            if r.params.logprobs is not None:
+                k = r.params.logprobs
+                top = {} if top_ids is None else dict(zip(top_ids[i][:k], top_lp[i][:k]))
+                out.logprobs[r.request_id] = (chosen[i], top)

@@ -1,0 +1,171 @@
+"""Continuous batching by counters (vLLM v1 style); no tensors here.
+
+Each step hands out a token budget (`max_num_batched_tokens`): running requests first,
+in arrival order, each asking for `num_tokens - num_computed_tokens` (1 for a decode,
+the rest of the prompt, chunked, for a prefill); then waiting requests, which first
+reuse cached prefix blocks. When the KV pool runs out, the newest running request is
+preempted by recompute: its blocks are freed and it goes back to the front of the
+waiting queue with `num_computed_tokens = 0`; its tokens so far are kept, so nothing is
+lost or duplicated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from .block_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's decision: compute `num_new` tokens for each request, in this order."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in arrival order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -----------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish the request with reason "abort" and free its blocks at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if not request.is_finished:
+            request.finish("abort")
+        self._remove(request)
+        return request
+
+    def _remove(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one step ---------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request.request_id, request.token_ids, request.num_computed_tokens, n):
+                victim = self.running[-1]
+                if victim.request_id in scheduled:  # never undo work already handed out
+                    victim = request
+                self._preempt(victim, batch)
+                if victim is request:
+                    break
+            else:
+                batch.requests.append(request)
+                batch.num_new.append(n)
+                scheduled.add(request.request_id)
+                budget -= n
+                i += 1
+                continue
+            # `request` itself was preempted: the list shifted; do not advance i.
+
+        if batch.preempted:  # memory is tight: admit nobody new this step
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.kv.get_computed_blocks(request.request_id, request.token_ids)
+            n = min(request.num_tokens - computed, budget)
+            if not self.kv.allocate_slots(request.request_id, request.token_ids, computed, n):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = computed
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_new.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        batch.preempted.append(request)
+
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters after the model ran; append sampled tokens; return the
+        requests that finished this step (their blocks are already freed).
+
+        `sampled` maps request id -> new token, for requests whose step reached the end
+        of their known tokens.
+        """
+        finished: list[Request] = []
+        for request, n in zip(batch.requests, batch.num_new):
+            if request.is_finished:  # aborted meanwhile
+                continue
+            request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            if request.check_token_stop(self.config.max_model_len):
+                finished.append(request)
+        for request in finished:
+            self._remove(request)
+        return finished
+
+    def finish_request(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """Finish a request for a reason found outside the scheduler (a stop string)."""
+        if not request.is_finished:
+            request.finish(reason, stop_reason)
+        self._remove(request)
