@@ -157,8 +157,7 @@ def _progress_bar(desc: str, total: int | None = None):
     def update(done: int, total_: int) -> None:
         if bar.total != total_:
             bar.total = total_
-        bar.n = done
-        bar.refresh()
+        bar.update(done - bar.n)  # tqdm rate-limits its own redraws
         if done >= total_:
             bar.close()
 
