@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m pytest
 
+# The main job: stream a completion from the bundled model.
 demo: $(STAMP)
-	$(PY) tools/demo.py
+	$(VENV)/bin/musespark generate --max-tokens 64 "def fibonacci(n):"
+
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
