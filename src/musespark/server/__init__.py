@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`musespark serve`), layered on top of engine/."""

@@ -1,0 +1,307 @@
+"""The FastAPI app: routes, OpenAI-shaped errors, API key, body size limit, and `serve()`.
+
+    app = build_app(engine, ServerConfig(model_name="musespark-tiny"))
+    serve(engine, config, host="127.0.0.1", port=8000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import __version__
+from ..engine.llm_engine import LLMEngine
+from .async_engine import AsyncEngine, EngineDeadError
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .serving import APIError, Serving, bad_request
+
+logger = logging.getLogger("musespark.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_request_body_bytes: int = 1 << 20
+    max_sequences_per_request: int = 256  # prompts x n in one request
+    log_requests: bool = True
+    graceful_shutdown_s: int = 30
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes <= 0:
+            raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+class GuardMiddleware:
+    """API key on /v1/* (constant-time compare) and the request body limit (from
+    Content-Length, then while reading). The body is buffered and replayed to the app;
+    later receive() calls (disconnect detection) go to the server."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+        self.app, self.config = app, config
+        self._want = f"Bearer {config.api_key}".encode() if config.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self._want is not None and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._want):
+                return await _error(401, "Unauthorized: missing or wrong API key")(scope, receive, send)
+        limit = self.config.max_request_body_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > limit
+            except ValueError:
+                return await _error(400, "invalid Content-Length header")(scope, receive, send)
+            if too_big:
+                return await _error(413, f"request body exceeds {limit} bytes")(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            size += len(message.get("body", b""))
+            if size > limit:
+                return await _error(413, f"request body exceeds {limit} bytes")(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def receive_replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, receive_replayed, send)
+
+
+class SSEResponse(StreamingResponse):
+    """Streams while listening for the client going away; on disconnect the stream is
+    cancelled and its generator closed at once, which aborts the request in the engine."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+
+
+def _validation_error(errors: Any) -> APIError:
+    errors = list(errors)
+    if not errors:
+        return APIError(400, "invalid request")
+    loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
+    param = loc[0] if loc else None
+    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errors[:5])
+    return APIError(400, message, param)
+
+
+async def _until_disconnect(request: Request, work: Any) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics(config.model_name)
+    async_engine = AsyncEngine(engine, metrics, log_requests=config.log_requests)
+    serving = Serving(async_engine, config.model_name, config.max_sequences_per_request)
+    max_model_len = engine.scheduler_config.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="musespark", version=__version__, lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.add_middleware(GuardMiddleware, config=config)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = _validation_error(exc.errors())
+        return _error(400, err.message, err.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return _error(500, f"internal error: {type(exc).__name__}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_engine.is_alive else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": 0, "owned_by": "musespark",
+            "root": str(engine.model_path), "parent": None, "max_model_len": max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        base, jobs = serving.completion_jobs(req)
+        if req.stream:
+            return SSEResponse(serving.completion_stream(base, req, jobs))
+
+        async def work() -> JSONResponse:
+            finals = await serving.final_outputs(jobs)
+            return JSONResponse(serving.completion_response(base, req, jobs, finals))
+
+        return await _until_disconnect(request, work())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        base, jobs = serving.chat_jobs(req)
+        if req.stream:
+            return SSEResponse(serving.chat_stream(base, req, jobs))
+
+        async def work() -> JSONResponse:
+            (final,) = await serving.final_outputs(jobs)
+            return JSONResponse(serving.chat_response(base, req, final))
+
+        return await _until_disconnect(request, work())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, TokenizeRequest)
+        serving.check_model(req.model)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            try:
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+            except Exception as exc:
+                raise APIError(400, f"invalid messages: {exc}", "messages") from None
+            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, DetokenizeRequest)
+        serving.check_model(req.model)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        vocab = engine.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(ValueError(f"tokens must lie in [0, {vocab}), got {bad[0]}"))
+        return {"prompt": tok.decode(req.tokens)}
+
+    return app
+
+
+def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> int:
+    """Run until SIGTERM/SIGINT: stop accepting, let running requests finish (at most
+    config.graceful_shutdown_s), stop the engine loop, return 0."""
+    import uvicorn
+
+    app = build_app(engine, config)
+    uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=config.log_requests,
+                        timeout_graceful_shutdown=config.graceful_shutdown_s, lifespan="on")
+    server = uvicorn.Server(uv)
+    # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler
+    # makes that a clean exit (status 0) instead of death by SIGTERM.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0 if server.started else 1

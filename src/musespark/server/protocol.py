@@ -1,0 +1,135 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic).
+
+Unknown request fields are accepted and ignored, as vLLM does. Sampling fields default to
+None so that the checkpoint's generation_config.json supplies the default unless the
+request names a value (`to_sampling_fields`). Range checks live in `SamplingParams`; the
+few checks here are the ones that protect the server (sizes the engine cannot bound).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+# OpenAI's top_logprobs limit (vLLM's default max_logprobs is 20 as well).
+MAX_LOGPROBS = 20
+# Seeds must fit a signed 64-bit integer (torch.Generator.manual_seed).
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM's names)."""
+
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    seed: StrictInt | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+
+    _GEN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+
+    def sampling_fields(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams keyword arguments: the checkpoint's defaults, then the request's
+        values (max_tokens is resolved by the caller, who knows the prompt length)."""
+        fields = {k: v for k, v in defaults.items() if k != "max_tokens"}
+        for name in self._GEN_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        fields.update(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                      ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens)
+        return fields
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptIds = list[StrictInt]
+
+
+class CompletionRequest(_SamplingRequest):
+    # A string, a list of strings, a list of token ids, or a list of lists of token ids.
+    prompt: StrictStr | list[StrictStr] | PromptIds | list[PromptIds]
+    max_tokens: StrictInt | None = 16  # OpenAI's and vLLM's default for completions
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: StrictStr | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Request):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+# -- responses (plain dicts built by helpers keep the hot path cheap) ---------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+            503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def envelope(kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"], request_id: str,
+             model: str, created: int | None = None) -> dict[str, Any]:
+    return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}
