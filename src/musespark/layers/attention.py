@@ -114,6 +114,9 @@ def paged_attention(
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     k_flat.index_copy_(0, group.slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, group.slot_mapping, v.to(v_flat.dtype))
+    if q.shape[0] == ctx.num_seqs:  # pure decode: one query per sequence, one batched call
+        return _decode_attention(q, k_flat, v_flat, positions, ctx.seq_lens, group.block_tables, block_size,
+                                 scale, window)
     for b in range(ctx.num_seqs):
         s, e = qsl[b], qsl[b + 1]
         if e == s:
@@ -131,3 +134,41 @@ def paged_attention(
         k_pos = torch.arange(start, seq_len, device=q.device)
         out[s:e] = _attend(q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [B, nH, D], one query per sequence
+    k_flat: torch.Tensor,  # [num_slots, nKV, D]
+    v_flat: torch.Tensor,
+    positions: torch.Tensor,  # [B]
+    seq_lens: list[int],
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """All decode queries at once: gather each sequence's reachable blocks into a padded
+    [B, L] key set (padding masked out) and run one SDPA call."""
+    B = q.shape[0]
+    first = [0 if window is None else max(0, n - window) // block_size for n in seq_lens]  # query at n-1
+    count = [(n - 1) // block_size - f + 1 for n, f in zip(seq_lens, first)]
+    nb = max(count)
+    device = q.device
+    j = torch.arange(nb, device=device)
+    first_t = torch.tensor(first, device=device)
+    cols = (first_t[:, None] + j[None, :]).clamp(max=block_tables.shape[1] - 1)  # [B, nb]
+    blocks = block_tables.gather(1, cols)
+    valid_block = (j[None, :] < torch.tensor(count, device=device)[:, None]) & (blocks >= 0)
+    blocks = torch.where(valid_block, blocks, torch.zeros_like(blocks))
+    offs = torch.arange(block_size, device=device)
+    slots = (blocks[:, :, None] * block_size + offs).reshape(B, nb * block_size)  # [B, L]
+    k_pos = (first_t[:, None] * block_size + torch.arange(nb * block_size, device=device)[None, :])
+    q_pos = positions[:, None]
+    mask = (k_pos <= q_pos) & valid_block.repeat_interleave(block_size, dim=1)
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    keys = k_flat[slots].transpose(1, 2)  # [B, nKV, L, D]
+    values = v_flat[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
+                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+    return out[:, :, 0, :]  # [B, nH, D]
