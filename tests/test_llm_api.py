@@ -127,3 +127,8 @@ def test_bad_requests_fail_before_any_work(llm):
     assert not llm.engine.has_unfinished_requests()  # nothing was queued
     with pytest.raises(ValueError, match="unknown argument"):
         LLM(model="unused", gpu_memory_utilisation=0.5)
+
+
+def test_unknown_sampling_keyword_is_a_value_error():
+    with pytest.raises(ValueError, match="bogus"):
+        SamplingParams(max_tokens=3, bogus=1)

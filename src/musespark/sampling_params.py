@@ -151,3 +151,25 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
+
+
+class UnknownArgumentError(ValueError, TypeError):
+    """An unknown keyword: a ValueError (our contract) that is also the TypeError Python
+    raises for a bad keyword, so either `except` catches it."""
+
+
+def _refuse_unknown_keywords(cls: type) -> None:
+    init = cls.__init__
+    known = {f.name for f in dataclasses.fields(cls)}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(k for k in kwargs if k not in known)
+        if unknown:
+            raise UnknownArgumentError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    cls.__init__ = __init__
+
+
+_refuse_unknown_keywords(SamplingParams)
