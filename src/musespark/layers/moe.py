@@ -61,26 +61,36 @@ class Experts(nn.Module):
         self.intermediate = Im
 
     def forward(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """u [T, Hm] model dtype, weights/ids [T, k] -> weighted sum [T, Hm] fp32."""
+        """u [T, Hm] model dtype, weights/ids [T, k] -> weighted sum [T, Hm] fp32.
+
+        Assignments are sorted by expert; each expert with tokens runs one GEMM pair over
+        all of them. Each token's k contributions are then summed in increasing expert id,
+        one add at a time (the reference's accumulation order).
+        """
         T, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # [T*k] assignments grouped by expert
-        token_of = order // k  # token row of each sorted assignment
-        weight_of = weights.reshape(-1)[order]
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        out = torch.zeros(T, u.shape[1], dtype=torch.float32, device=u.device)
-        norm = self.post_expert_norm
+        x = u[order // k]  # [T*k, Hm] expert inputs, grouped by expert
+        ys = []
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            rows = token_of[start:start + n]
-            gate_up = F.linear(u[rows], self.gate_up_proj[expert])  # [n, 2*Im]
+            gate_up = F.linear(x[start:start + n], self.gate_up_proj[expert])  # [n, 2*Im]
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])  # [n, Hm]
-            y = input_scaled_rms_norm(y, norm.eps, norm.weight, norm.gain_center, torch.float32)
-            out.index_add_(0, rows, y * weight_of[start:start + n, None])
+            ys.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))  # [n, Hm]
             start += n
+        norm = self.post_expert_norm  # per expert output, before weighting
+        y = input_scaled_rms_norm(torch.cat(ys), norm.eps, norm.weight, norm.gain_center, torch.float32)
+        y = y * weights.reshape(-1)[order, None]
+        # Slot r of token t holds its r-th smallest expert's contribution.
+        rank = ids.argsort(dim=1).argsort(dim=1).reshape(-1)  # [T*k]
+        dest = (order // k) * k + rank[order]
+        z = torch.empty_like(y).index_copy_(0, dest, y).view(T, k, -1)
+        out = z[:, 0]
+        for r in range(1, k):
+            out = out + z[:, r]
         return out
 
 
