@@ -71,16 +71,16 @@ class ModelRunner:
         budget = cache.kv_cache_memory or int(available_memory() * cache.kv_cache_fraction)
         num_blocks = num_blocks_for_budget(budget, cache.block_size, self.layout.num_slots,
                                            cfg.num_key_value_heads, cfg.head_dim, dtype_bytes)
-        # No point holding more than max_num_seqs full-length sequences need.
-        per_seq = -(-max_model_len // cache.block_size) + 1
-        num_blocks = min(num_blocks, max_num_seqs * per_seq * len(self.layout.group_windows))
-        per_seq_min = sum(
-            -(-max_model_len // cache.block_size) if w is None else -(-w // cache.block_size) + 2
-            for w in self.layout.group_windows)
-        if num_blocks < per_seq_min:
+        # Blocks one sequence can hold at most: full groups its whole length, sliding groups
+        # their window (+2: a block boundary and the block being filled).
+        seq_blocks = -(-max_model_len // cache.block_size) + 1
+        per_seq = sum(seq_blocks if w is None else min(seq_blocks, -(-w // cache.block_size) + 2)
+                      for w in self.layout.group_windows)
+        num_blocks = min(num_blocks, max_num_seqs * per_seq)  # no point holding more
+        if num_blocks < per_seq:
             raise ValueError(
                 f"kv_cache_memory={budget} bytes gives {num_blocks} KV blocks, but one sequence of "
-                f"max_model_len={max_model_len} needs {per_seq_min}; raise kv_cache_memory or lower max_model_len")
+                f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len")
         self.num_blocks = num_blocks
         shape = (num_blocks, cache.block_size, cfg.num_key_value_heads, cfg.head_dim)
         slots = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
