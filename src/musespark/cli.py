@@ -5,8 +5,12 @@
 
     musespark serve [MODEL] [--host H] [--port P] [--api-key KEY] [--served-model-name NAME] ...
 
+    musespark bench latency|throughput [--model DIR | --preset NAME] [--dtype D] ...
+    musespark bench serve [--base-url URL] [--num-prompts N] [--request-rate R] ...
+
 `generate` prints each completion as it streams; `serve` runs the OpenAI-compatible HTTP
-server (vLLM's flag names). Without a model both use the bundled model.
+server (vLLM's flag names). Without a model both use the bundled model. `bench` runs
+vLLM's three benchmark modes (see musespark.bench); its last output line is one JSON object.
 """
 
 from __future__ import annotations
@@ -123,17 +127,36 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from .bench import latency, serve, throughput
+
+    p = sub.add_parser("bench", help="benchmark: latency | throughput (offline engine) | serve (a running server)")
+    modes = p.add_subparsers(dest="bench_mode", required=True)
+    latency.add_args(modes.add_parser("latency", help="one batch: prefill and per-token decode times"))
+    throughput.add_args(modes.add_parser("throughput", help="N seeded random requests through the offline engine"))
+    serve.add_args(modes.add_parser("serve", help="drive a running `musespark serve` (TTFT, TPOT, ITL, E2EL)"))
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from .bench import latency, serve, throughput
+
+    return {"latency": latency.main, "throughput": throughput.main, "serve": serve.main}[args.bench_mode](args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="musespark", description="Serve and run Muse Spark 1x models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return _run_generate(args)
         if args.command == "serve":
             return _run_serve(args)
+        if args.command == "bench":
+            return _run_bench(args)
     except ValueError as exc:
         print(f"musespark {args.command}: error: {exc}", file=sys.stderr)
         return 2

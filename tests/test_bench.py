@@ -1,0 +1,108 @@
+"""Smoke tests for the benchmarks: each mode runs on a tiny model and ends with one JSON line.
+The numbers are not checked (they are not pass/fail), only that they exist and are positive."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from musespark.bench.presets import count_params, make_checkpoint, preset_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+def run_json(args: list[str], cache: Path, timeout: float = 120) -> dict:
+    env = dict(ENV, MUSESPARK_BENCH_CACHE=str(cache))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    out = json.loads(last)
+    for key in ("machine", "versions", "commit", "command"):
+        assert key in out
+    assert out["machine"]["cpu_count"] and out["versions"]["torch"] and out["versions"]["musespark"]
+    return out
+
+
+def positive(*values: float) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def test_bench_small_parameter_counts():
+    counts = count_params(preset_config("bench-small"))  # from the config: nothing allocated
+    # The issue quotes 408.8 M total; the configuration it fixes counts 408.59 M (embedding
+    # 33.55 M + LM head 33.55 M + layers), which is what transformers' text model holds too.
+    # (408.77 M only when the placeholder vision/audio towers of the written config are added.)
+    assert abs(counts.total / 1e6 - 408.59) < 0.05, counts
+    assert abs(counts.active / 1e6 - 132.8) < 0.05, counts
+
+
+def test_make_checkpoint_is_cached(cache):
+    path = make_checkpoint("bench-tiny", "float32", cache)
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert make_checkpoint("bench-tiny", "fp32", cache) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert preset_config("bench-tiny").text_config_dict()["hidden_size"] == 64
+
+
+def test_bench_latency(cache):
+    out = run_json(["-m", "musespark", "bench", "latency", "--preset", "bench-tiny", "--dtype", "float32",
+                    "--batch-size", "2", "--input-len", "8", "--output-len", "4", "--num-iters", "2",
+                    "--num-iters-warmup", "1"], cache)
+    assert out["benchmark"] == "latency" and out["batch_size"] == 2 and len(out["latencies_s"]) == 2
+    assert positive(out["avg_latency_s"], out["decode_tokens_per_s"])
+    for key in ("latency_ms", "prefill_ms", "decode_ms_per_token"):
+        assert positive(out[key]["p50"], out[key]["p90"], out[key]["p99"]), key
+
+
+def test_bench_throughput(cache):
+    out = run_json(["-m", "musespark", "bench", "throughput", "--dtype", "float32", "--num-prompts", "6",
+                    "--input-len", "4,24", "--output-len", "2,6", "--num-iters-warmup", "0"], cache)
+    assert out["benchmark"] == "throughput" and out["num_prompts"] == 6
+    assert out["model"].endswith("musespark-tiny")
+    assert positive(out["elapsed_s"], out["requests_per_s"], out["output_tokens_per_s"], out["total_tokens_per_s"])
+    assert out["total_tokens_per_s"] > out["output_tokens_per_s"]
+
+
+def test_bench_serve(cache, tmp_path):
+    from test_server import ServerProcess
+
+    srv = ServerProcess(tmp_path / "server.log")
+    try:
+        out = run_json(["-m", "musespark", "bench", "serve", "--base-url", srv.url, "--num-prompts", "4",
+                        "--input-len-range", "4,12", "--output-len-range", "3,6"], cache)
+        legacy = run_json(["benchmarks/serve.py", "--base-url", srv.url, "--num-prompts", "2",
+                           "--input-len-range", "4", "--output-len-range", "3"], cache)  # the thin wrapper
+    finally:
+        srv.stop()
+    assert out["benchmark"] == "serve" and out["completed"] == 4 and out["failed"] == 0
+    assert legacy["benchmark"] == "serve" and legacy["completed"] == 2 and legacy["total_output_tokens"] == 6
+    assert positive(out["request_throughput_rps"], out["output_throughput_tok_s"], out["total_token_throughput_tok_s"])
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        assert positive(out[key]["p50"], out[key]["p90"], out[key]["p99"]), key
+
+
+def test_compare_hf_quick(cache):
+    out = run_json(["benchmarks/compare_hf.py", "--quick", "--cases", "b1", "--dtypes", "float32",
+                    "--bandwidth-mb", "64", "--cache-dir", str(cache)], cache)
+    assert out["benchmark"] == "compare_hf" and out["preset"] == "bench-tiny"
+    (case,) = out["results"]
+    assert case["case"] == "b1" and case["dtype"] == "float32"
+    dec = case["metrics"]["decode_tok_s"]
+    assert len(dec["ratios"]) == out["repeats"] == 2
+    assert positive(out["bandwidth_bytes_per_s"], case["roofline"]["tok_s"], case["metrics"]["e2e_s"]["median_ratio"])
+    assert positive(*case["metrics"]["ttft_s"]["ratios"], *case["metrics"]["output_tok_s"]["ratios"])
+    # fp32 greedy decoding of the same weights agrees token for token: both engines ran the same work.
+    assert case["greedy_prefix_agreement"]["mean_tokens"] == case["greedy_prefix_agreement"]["of_tokens"]
+    assert "float32/b1/decode_tok_s" in out["summary_median_ratios"]
