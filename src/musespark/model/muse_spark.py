@@ -18,7 +18,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.attention import AttentionContext, paged_attention
 from ..layers.moe import DenseMlp, SparseMoeBlock
-from ..layers.norm import ResidualGate, RMSNorm, rms, rms_norm
+from ..layers.norm import ResidualGate, RMSNorm, rms
 from ..layers.rotary import apply_rotary, cos_sin, inv_frequencies
 
 
