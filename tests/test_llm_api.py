@@ -73,8 +73,9 @@ def test_n_samples_and_logprobs(llm):
         assert len(c.logprobs) == len(c.token_ids) == 6
         for tok, entry in zip(c.token_ids, c.logprobs):
             assert tok in entry
-            top = sorted(entry.values(), key=lambda lp: -lp.logprob)
-            assert sum(1 for lp in entry.values() if lp.rank is not None) == 2
+            ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+            assert [lp.rank for lp in ranked] == [1, 2]
+            assert ranked[0].logprob >= ranked[1].logprob
             assert all(lp.logprob <= 0 for lp in entry.values())
         assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
 
