@@ -1,7 +1,7 @@
 """KV cache blocks: allocation, prefix reuse, sliding-window release, ref counts.
 
-Pure Python, no tensors. A block id indexes every layer's K/V tensor
-`[num_blocks, block_size, nKV, D]`; token position p of a sequence lives in logical
+Pure Python, no tensors. A block id indexes the K/V tensors `[num_blocks, block_size,
+nKV, D]` of its group's layers (see `model_runner.kv_layout`); token position p lives in logical
 block p // block_size at offset p % block_size, so its flat cache slot is
 `block_table[p // block_size] * block_size + p % block_size`.
 
