@@ -18,10 +18,12 @@ sliding layer only those > p - window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import cpu
 
 
 @dataclass
@@ -39,6 +41,13 @@ class AttentionContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: K, V [num_blocks, block_size, nKV, D]
     groups: list[KVGroup] | None = None
     layer_group: list[int] | None = None  # layer index -> index into `groups`
+    _seq_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def seq_lens_tensor(self, device: torch.device) -> torch.Tensor:
+        """`seq_lens` as an int64 tensor [B], made once per step."""
+        if self._seq_lens_t is None:
+            self._seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.int64, device=device)
+        return self._seq_lens_t
 
     @property
     def num_seqs(self) -> int:
@@ -115,6 +124,12 @@ def paged_attention(
     k_flat.index_copy_(0, group.slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, group.slot_mapping, v.to(v_flat.dtype))
     if q.shape[0] == ctx.num_seqs:  # pure decode: one query per sequence, one batched call
+        ops = cpu.native_ops() if q.device.type == "cpu" and q.shape[-1] % 8 == 0 else None
+        if ops is not None and k_cache.dtype in (torch.bfloat16, torch.float32):
+            seq_lens = ctx.seq_lens_tensor(q.device)
+            out = ops.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, group.block_tables,
+                                             seq_lens, window or 0, scale)
+            return out.to(q.dtype)
         return _decode_attention(q, k_flat, v_flat, positions, ctx.seq_lens, group.block_tables, block_size,
                                  scale, window)
     for b in range(ctx.num_seqs):

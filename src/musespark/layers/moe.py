@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .linear import Linear, linear, native_moe_ops
 from .norm import RMSNorm, input_scaled_rms_norm
 
 ROUTER_EPS = 1e-15
@@ -26,7 +27,7 @@ def route(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (weights [T, k] fp32, expert ids [T, k] int64)."""
-    logits = F.linear(x.float(), router_weight.float()) * output_multiplier
+    logits = linear(x.float(), router_weight.float()) * output_multiplier
     scores = torch.sigmoid(logits)
     ids = torch.topk(scores + bias.float(), k=top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
@@ -68,6 +69,25 @@ class Experts(nn.Module):
         one add at a time (the reference's accumulation order).
         """
         T, k = ids.shape
+        norm = self.post_expert_norm  # per expert output, before weighting
+        ops = native_moe_ops(u, self.gate_up_proj, T)
+        if ops is not None:  # bf16 decode: one native call runs every chosen expert
+            y = ops.moe_experts(u, ids, self.gate_up_proj, self.down_proj)  # [T*k, Hm] bf16, (t, j) order
+            y = norm(y, out_dtype=torch.float32)
+            y = (y * weights.reshape(-1, 1)).view(T, k, -1)
+            # Slot r of token t holds its r-th smallest expert's contribution.
+            z = y.gather(1, ids.argsort(dim=1)[:, :, None].expand(-1, -1, y.shape[-1]))
+        else:
+            z = self._grouped(u, weights, ids)
+        out = z[:, 0]
+        for r in range(1, k):
+            out = out + z[:, r]
+        return out
+
+    def _grouped(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Weighted, post-normed expert outputs [T, k, Hm] fp32, slot r of token t holding
+        its r-th smallest expert."""
+        T, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # [T*k] assignments grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
@@ -77,21 +97,16 @@ class Experts(nn.Module):
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            gate_up = F.linear(x[start:start + n], self.gate_up_proj[expert])  # [n, 2*Im]
+            gate_up = linear(x[start:start + n], self.gate_up_proj[expert])  # [n, 2*Im]
             gate, up = gate_up.split(self.intermediate, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))  # [n, Hm]
+            ys.append(linear(F.silu(gate) * up, self.down_proj[expert]))  # [n, Hm]
             start += n
-        norm = self.post_expert_norm  # per expert output, before weighting
+        norm = self.post_expert_norm
         y = input_scaled_rms_norm(torch.cat(ys), norm.eps, norm.weight, norm.gain_center, torch.float32)
         y = y * weights.reshape(-1)[order, None]
-        # Slot r of token t holds its r-th smallest expert's contribution.
-        rank = ids.argsort(dim=1).argsort(dim=1).reshape(-1)  # [T*k]
+        rank = ids.argsort(dim=1).argsort(dim=1).reshape(-1)  # [T*k] rank of each expert in its token
         dest = (order // k) * k + rank[order]
-        z = torch.empty_like(y).index_copy_(0, dest, y).view(T, k, -1)
-        out = z[:, 0]
-        for r in range(1, k):
-            out = out + z[:, r]
-        return out
+        return torch.empty_like(y).index_copy_(0, dest, y).view(T, k, -1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -100,10 +115,10 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.pre_expert_proj = nn.Linear(cfg.hidden_size, cfg.moe_hidden_size, bias=False)  # pooler
+        self.pre_expert_proj = Linear(cfg.hidden_size, cfg.moe_hidden_size)  # pooler
         self.pre_expert_norm = RMSNorm(cfg.moe_hidden_size, cfg.rms_norm_eps, gain_center=1.0)
         self.experts = Experts(cfg)
-        self.post_expert_proj = nn.Linear(cfg.moe_hidden_size, cfg.hidden_size, bias=False)  # unpooler
+        self.post_expert_proj = Linear(cfg.moe_hidden_size, cfg.hidden_size)  # unpooler
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(f)
@@ -117,9 +132,9 @@ class DenseMlp(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(f)) * self.up_proj(f))

@@ -11,11 +11,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import cpu
 
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS normalization over the last dim, in float32 (returns float32)."""
+# bf16 models on the CPU run the norms of small batches (decode) as one native call each
+# (kernels/cpu_norm.cpp: the same formula, one row at a time); fp32 models and large
+# batches keep the PyTorch ops below, which define the reference rounding.
+NATIVE_MAX_ROWS = 256
+
+
+def _native(x: torch.Tensor, out_dtype: torch.dtype):
+    if (x.device.type != "cpu" or torch.bfloat16 not in (x.dtype, out_dtype)
+            or x.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32)
+            or x.numel() > NATIVE_MAX_ROWS * x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad)):
+        return None
+    return cpu.native_ops()
+
+
+def rms(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
+    """Weightless RMS normalization over the last dim, times `scale`, in float32 (returns float32)."""
+    ops = _native(x, torch.float32)
+    if ops is not None:
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), None, eps, False, scale, torch.float32).view(x.shape)
     x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y * scale if scale != 1.0 else y
 
 
 def rms_norm(
@@ -54,8 +73,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.gain_center = gain_center
         self.input_scaled = input_scaled
+        self._gain: torch.Tensor | None = None  # fp32 gain_center + weight, set by materialize()
+
+    @torch.no_grad()
+    def materialize(self) -> None:
+        """Cache the fp32 gain (after loading; the weight must not change afterwards)."""
+        self._gain = (self.weight.float() + self.gain_center).contiguous()
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        ops = None if self.training else _native(x, out_dtype or x.dtype)
+        if ops is not None:
+            if self._gain is None:
+                self.materialize()
+            y = ops.rms_norm(x.reshape(-1, x.shape[-1]), self._gain, self.eps, self.input_scaled, 1.0,
+                             out_dtype or x.dtype)
+            return y.view(x.shape)
         if self.input_scaled:
             return input_scaled_rms_norm(x, self.eps, self.weight, self.gain_center, out_dtype)
         return rms_norm(x, self.eps, self.weight, self.gain_center, out_dtype)

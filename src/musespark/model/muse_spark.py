@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import AttentionContext, paged_attention
+from ..layers.linear import Linear, linear
 from ..layers.moe import DenseMlp, SparseMoeBlock
 from ..layers.norm import ResidualGate, RMSNorm, rms
 from ..layers.rotary import apply_rotary, cos_sin, inv_frequencies
@@ -28,11 +29,11 @@ class Attention(nn.Module):
         H, D = cfg.hidden_size, cfg.head_dim
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=False)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=False)
-        self.gate_proj = nn.Linear(H, self.num_heads * D, bias=False)  # the output gate
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=False)
+        self.q_proj = Linear(H, self.num_heads * D)
+        self.k_proj = Linear(H, self.num_kv_heads * D)
+        self.v_proj = Linear(H, self.num_kv_heads * D)
+        self.gate_proj = Linear(H, self.num_heads * D)  # the output gate
+        self.o_proj = Linear(self.num_heads * D, H)
         self.eps = cfg.rms_norm_eps
         # Queries are multiplied by qk_scale_factor after the weightless QK-norm (in fp32);
         # equal to folding it into the softmax scale, and closer to the reference's rounding.
@@ -48,7 +49,7 @@ class Attention(nn.Module):
                 rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """h [T, H] (model dtype) -> a [T, H] (model dtype)."""
         T, dtype, D = h.shape[0], h.dtype, self.head_dim
-        q = rms(self.q_proj(h).view(T, self.num_heads, D), self.eps) * self.qk_scale  # fp32, weightless QK-norm
+        q = rms(self.q_proj(h).view(T, self.num_heads, D), self.eps, self.qk_scale)  # fp32, weightless QK-norm
         k = rms(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps)
         v = self.v_proj(h).view(T, self.num_kv_heads, D)
         if self.rope_theta is not None:
@@ -109,7 +110,7 @@ class MuseSparkForCausalLM(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gain_center=0.0)  # plain weight
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:  # a loaded checkpoint that has its own head replaces this
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -122,9 +123,9 @@ class MuseSparkForCausalLM(nn.Module):
         return self.embed_tokens.weight.device
 
     def materialize_constants(self) -> None:
-        """Compute weight-only constants (residual gate alpha/beta) once, after loading."""
+        """Compute weight-only constants (residual gate alpha/beta, fp32 norm gains) once, after loading."""
         for module in self.modules():
-            if isinstance(module, ResidualGate):
+            if isinstance(module, (ResidualGate, RMSNorm)):
                 module.materialize()
             elif isinstance(module, DecoderLayer) and module.self_attn.rope_theta is not None:
                 attn = module.self_attn
@@ -142,7 +143,7 @@ class MuseSparkForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """y [N, H] -> soft-capped logits [N, V] in fp32: T * tanh(y W^T * m / T)."""
         cap = self.config.final_logit_softcapping
-        x = F.linear(hidden, self.lm_head.weight).float() * self.config.output_multiplier
+        x = linear(hidden, self.lm_head.weight).float() * self.config.output_multiplier
         return cap * torch.tanh(x / cap)
 
     @torch.inference_mode()

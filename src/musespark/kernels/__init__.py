@@ -1,0 +1,1 @@
+"""Native kernels, optional: every caller has a plain-PyTorch fallback."""

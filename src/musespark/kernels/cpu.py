@@ -1,0 +1,108 @@
+"""The native CPU kernels (`cpu_linear.cpp`, `cpu_attention.cpp`, `cpu_norm.cpp`), compiled on first use and cached.
+
+Built with PyTorch's extension builder (the system C++ compiler and ninja) into
+`$MUSESPARK_CACHE/kernels` (default `~/.cache/musespark/kernels`); later processes load
+the cached library in well under a second. `python -m musespark.kernels` builds it
+ahead of time (the Makefile does). Set `MUSESPARK_CPU_KERNELS=0` to disable them.
+
+Nothing here is required: on a machine without AVX2/FMA, without a compiler, or when
+the build fails (a warning says why), `native_ops()` returns None and callers use
+plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp")]
+_LOCK = threading.Lock()
+_ops: Any = None
+_tried = False
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it,
+    PyTorch's bf16 GEMMs convert element by element and are several times slower than fp32."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def is_x86_without_native_bf16() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and not has_native_bf16()
+
+
+def kernels_enabled() -> bool:
+    if os.environ.get("MUSESPARK_CPU_KERNELS", "1") == "0":
+        return False
+    return platform.system() == "Linux" and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MUSESPARK_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "musespark"
+    return base / "kernels" / f"torch-{torch.__version__}"
+
+
+def native_ops() -> Any:
+    """The `torch.ops.musespark_cpu` namespace, or None if the kernels are unavailable:
+    `linear_small_m(x, w)`, `moe_experts(x, ids, gate_up, down)` (cpu_linear.cpp) and
+    `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale)`
+    (cpu_attention.cpp) and `rms_norm(x, gain, eps, input_scaled, scale, out_dtype)`
+    (cpu_norm.cpp); each file states its contract."""
+    if _tried:
+        return _ops
+    return _build()
+
+
+def _build() -> Any:
+    global _ops, _tried
+    with _LOCK:
+        if _tried:
+            return _ops
+        try:
+            if kernels_enabled():
+                _ops = _compile()
+        except Exception as exc:  # a missing compiler or ninja, a build error: fall back, loudly
+            warnings.warn(f"musespark: CPU kernels unavailable, using plain PyTorch ({type(exc).__name__}: "
+                          f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc})", RuntimeWarning,
+                          stacklevel=3)
+            _ops = None
+        _tried = True
+        return _ops
+
+
+def _compile() -> Any:
+    from torch.utils.cpp_extension import load
+
+    build_dir = cache_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    load(name="musespark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
+         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)
+    logger.info("musespark CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    return torch.ops.musespark_cpu
+

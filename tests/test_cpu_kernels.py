@@ -1,0 +1,159 @@
+"""The native CPU kernels (src/musespark/kernels), each against a plain-PyTorch
+reference of the same formula, on awkward shapes; and the fallback without them."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from musespark.kernels import cpu
+
+ops = cpu.native_ops()
+
+
+def test_kernels_build_on_an_avx2_linux_machine():
+    # CI machines are x86-64 Linux with AVX2 and gcc: the kernels must really be in use there.
+    if platform.machine() == "x86_64" and platform.system() == "Linux" and {"avx2", "fma"} <= cpu.cpu_flags():
+        assert ops is not None
+    else:
+        assert ops is None
+
+
+needs_ops = pytest.mark.skipif(ops is None, reason="native kernels need x86-64 Linux with AVX2 (checked above)")
+
+
+@needs_ops
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 8), (1, 13, 24), (2, 7, 40), (3, 64, 64), (9, 37, 136), (64, 5, 1024)])
+def test_linear_is_as_accurate_as_torch(wdtype, M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    w = torch.randn(N, K, generator=g).to(wdtype)
+    x = torch.randn(M, K, generator=g).to(wdtype)
+    exact = x.double() @ w.double().T
+    ours = ops.linear_small_m(x, w)
+    assert ours.dtype == wdtype and ours.shape == (M, N)
+    theirs = F.linear(x, w)
+    # Both round the fp32 sum once to the output dtype: ours may not be worse than torch's.
+    err_ours = (ours.double() - exact).abs().max()
+    err_torch = (theirs.double() - exact).abs().max()
+    scale = exact.abs().max()
+    assert err_ours <= 2 * err_torch + 1e-6 * scale, (float(err_ours), float(err_torch))
+
+
+@needs_ops
+def test_linear_rejects_bad_shapes():
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        ops.linear_small_m(torch.randn(1, 12), torch.randn(4, 12))
+    with pytest.raises(RuntimeError, match="K="):
+        ops.linear_small_m(torch.randn(1, 16), torch.randn(4, 24))
+
+
+def _attention_reference(q, k_cache, v_cache, tables, seq_lens, window, scale):
+    out = []
+    bs = k_cache.shape[1]
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        slots = tables[b, pos // bs] * bs + pos % bs
+        k = k_cache.flatten(0, 1)[slots].float()  # [n, nKV, D]
+        v = v_cache.flatten(0, 1)[slots].float()
+        first = max(0, n - window) if window else 0
+        k, v = k[first:], v[first:]
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].double(), k.double()) * scale
+        out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), v.double()))
+    return torch.stack(out)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)])
+def test_paged_decode_attention_matches_dense_softmax(dtype, window, heads):
+    nH, nKV = heads
+    D, bs, nblocks = 16, 4, 32
+    g = torch.Generator().manual_seed(nH * 10 + nKV + window)
+    k_cache = torch.randn(nblocks, bs, nKV, D, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks, bs, nKV, D, generator=g).to(dtype)
+    seq_lens = [1, 7, 13, 4]
+    tables = torch.randperm(nblocks, generator=g)[:16].view(4, 4).clone()
+    if window:  # blocks wholly before the window are released: never read
+        for b, n in enumerate(seq_lens):
+            tables[b, : max(0, n - window) // bs] = -1
+    q = torch.randn(4, nH, D, generator=g)
+    scale = 0.3
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens), window, scale)
+    want = _attention_reference(q, k_cache, v_cache, tables, seq_lens, window, scale)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+@needs_ops
+@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("input_scaled", [False, True])
+def test_rms_norm_matches_the_formula(in_dtype, out_dtype, input_scaled):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 40, generator=g) * 3).to(in_dtype)
+    gain = 1 + 0.2 * torch.randn(40, generator=g)
+    eps, scale = 1e-5, 1.0 if input_scaled else 0.7
+    xf = x.float()
+    if input_scaled:
+        v = xf * gain
+        want = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gain * scale
+    got = ops.rms_norm(x, gain, eps, input_scaled, scale, out_dtype)
+    assert got.dtype == out_dtype
+    tol = 1e-6 if out_dtype == torch.float32 else 1e-2
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
+    plain = ops.rms_norm(x, None, eps, False, 1.0, torch.float32)
+    assert torch.allclose(plain, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), rtol=1e-6, atol=1e-6)
+
+
+@needs_ops
+def test_moe_experts_match_the_grouped_torch_path():
+    from musespark.config import ModelConfig
+    from musespark.layers.moe import Experts
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, moe_hidden_size=24, moe_intermediate_size=40,
+                      num_local_experts=6, num_experts_per_tok=3, mlp_layer_types=("dense", "sparse"))
+    experts = Experts(cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    experts = experts.to(torch.bfloat16).eval()
+    T, k = 7, 3
+    u = torch.randn(T, 24, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    with torch.inference_mode():
+        fused = experts(u, weights, ids)
+        reference = experts._grouped(u, weights, ids).sum(1)
+    # Same bf16 roundings at the same places; only fp32 summation order differs, which
+    # can move a bf16 rounding by one ulp here and there.
+    assert (fused - reference).abs().max() <= 2e-2 * reference.abs().max()
+
+
+def test_model_runs_without_the_kernels(tmp_path):
+    code = (
+        "import torch\n"
+        "from musespark.kernels import cpu\n"
+        "assert cpu.native_ops() is None\n"
+        "from musespark.model import MuseSparkForCausalLM, init_random_weights\n"
+        "from musespark.config import ModelConfig\n"
+        "cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+        "    num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_hidden_size=16,\n"
+        "    moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, mlp_layer_types=('dense', 'sparse'))\n"
+        "m = MuseSparkForCausalLM(cfg); init_random_weights(m); m = m.to(torch.bfloat16).eval()\n"
+        "print(m.greedy_continuation([3, 4, 5], 4))\n"
+    )
+    env = dict(os.environ, MUSESPARK_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert len(eval(out.stdout.strip().splitlines()[-1])) == 4
