@@ -67,12 +67,89 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, 
   return y;
 }
 
+// The attention's per-head QK-norm and rotary embedding in one pass:
+// x [T, heads, D] (bf16 or fp32), cos/sin [T, D] fp32 (or empty: no rotary) ->
+// rope(rms(x) * scale) [T, heads, D] in out_dtype, with rope(r) = r * cos + rotate_half(r) * sin.
+at::Tensor head_norm_rope(const at::Tensor& x, const c10::optional<at::Tensor>& cos,
+                          const c10::optional<at::Tensor>& sin, double eps, double scale, at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() == 3 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "head_norm_rope: x must be fp32 or bf16 [T, heads, D]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "head_norm_rope: out_dtype must be fp32 or bf16");
+  const int64_t T = x.size(0), NH = x.size(1), D = x.size(2), half = D / 2;
+  const bool rope = cos.has_value() && cos->defined();
+  at::Tensor c, s;
+  if (rope) {
+    c = cos->contiguous();
+    s = sin.value().contiguous();
+    TORCH_CHECK(D % 2 == 0 && c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && c.dim() == 2 &&
+                    c.size(0) == T && c.size(1) == D && s.sizes() == c.sizes(),
+                "head_norm_rope: cos/sin must be float32 [T, D]");
+  }
+  auto y = rms_norm(x.reshape({T * NH, D}), c10::nullopt, eps, false, scale, at::kFloat).view({T, NH, D});
+  if (rope) {
+    float* yp = y.data_ptr<float>();
+    const float* cp = c.data_ptr<float>();
+    const float* sp = s.data_ptr<float>();
+    std::vector<float> r(D);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < NH; ++h) {
+        float* row = yp + (t * NH + h) * D;
+        for (int64_t i = 0; i < half; ++i) r[i] = -row[half + i];
+        for (int64_t i = half; i < D; ++i) r[i] = row[i - half];
+        for (int64_t i = 0; i < D; ++i) row[i] = row[i] * cp[t * D + i] + r[i] * sp[t * D + i];
+      }
+  }
+  return out_dtype == at::kFloat ? y : y.to(out_dtype);
+}
+
+// The gated residual with its branch's norm: s [T, H] fp32, branch [T, H] (bf16/fp32),
+// alpha/beta [H] fp32, gain [H] fp32 or empty -> alpha * s + beta * norm(branch), fp32.
+at::Tensor gated_residual(const at::Tensor& s, const at::Tensor& branch, const at::Tensor& alpha,
+                          const at::Tensor& beta, const c10::optional<at::Tensor>& gain, double eps, bool input_scaled) {
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == at::kFloat && s.sizes() == branch.sizes(),
+              "gated_residual: s must be float32 [T, H] like branch");
+  TORCH_CHECK(alpha.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat && alpha.numel() == s.size(1) &&
+                  beta.numel() == s.size(1),
+              "gated_residual: alpha/beta must be float32 [H]");
+  auto n = rms_norm(branch, gain, eps, input_scaled, 1.0, at::kFloat);
+  auto sc = s.contiguous();
+  auto a = alpha.contiguous(), b = beta.contiguous();
+  const int64_t T = sc.size(0), H = sc.size(1);
+  const float *sp = sc.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* np = n.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < H; ++j) {
+      const float x = ap[j] * sp[t * H + j], y = bp[j] * np[t * H + j];
+      np[t * H + j] = x + y;
+    }
+  return n;
+}
+
+// The attention output's O-norm and sigmoid gate: o, g [T, heads, D] -> rms(o) * sigmoid(g) in out_dtype.
+at::Tensor norm_gate(const at::Tensor& o, const at::Tensor& g, double eps, at::ScalarType out_dtype) {
+  TORCH_CHECK(o.dim() == 3 && o.sizes() == g.sizes(), "norm_gate: o and g must be [T, heads, D] alike");
+  const int64_t T = o.size(0), NH = o.size(1), D = o.size(2);
+  auto y = rms_norm(o.reshape({T * NH, D}), c10::nullopt, eps, false, 1.0, at::kFloat);
+  auto gf = g.to(at::kFloat).contiguous();
+  float* yp = y.data_ptr<float>();
+  const float* gp = gf.data_ptr<float>();
+  for (int64_t i = 0; i < T * NH * D; ++i) yp[i] = yp[i] * (1.f / (1.f + std::exp(-gp[i])));
+  return y.view({T, NH, D}).to(out_dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? gain, float eps, bool input_scaled, float scale, ScalarType out_dtype) -> Tensor");
+  m.def("gated_residual(Tensor s, Tensor branch, Tensor alpha, Tensor beta, Tensor? gain, float eps, "
+        "bool input_scaled) -> Tensor");
+  m.def("norm_gate(Tensor o, Tensor g, float eps, ScalarType out_dtype) -> Tensor");
+  m.def("head_norm_rope(Tensor x, Tensor? cos, Tensor? sin, float eps, float scale, ScalarType out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("head_norm_rope", &head_norm_rope);
+  m.impl("gated_residual", &gated_residual);
+  m.impl("norm_gate", &norm_gate);
 }

@@ -123,18 +123,29 @@ def paged_attention(
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     k_flat.index_copy_(0, group.slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, group.slot_mapping, v.to(v_flat.dtype))
+    ops = cpu.native_ops() if q.device.type == "cpu" and q.shape[-1] % 8 == 0 else None
+    if ops is None or k_cache.dtype not in (torch.bfloat16, torch.float32):
+        ops = None
     if q.shape[0] == ctx.num_seqs:  # pure decode: one query per sequence, one batched call
-        ops = cpu.native_ops() if q.device.type == "cpu" and q.shape[-1] % 8 == 0 else None
-        if ops is not None and k_cache.dtype in (torch.bfloat16, torch.float32):
-            seq_lens = ctx.seq_lens_tensor(q.device)
+        if ops is not None:
             out = ops.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, group.block_tables,
-                                             seq_lens, window or 0, scale)
+                                             ctx.seq_lens_tensor(q.device), window or 0, scale)
             return out.to(q.dtype)
         return _decode_attention(q, k_flat, v_flat, positions, ctx.seq_lens, group.block_tables, block_size,
                                  scale, window)
+    single = [b for b in range(ctx.num_seqs) if qsl[b + 1] - qsl[b] == 1] if ops is not None else []
+    if single:
+        # Decode rows of a mixed batch take the same kernel as a pure-decode batch, so a
+        # sequence's tokens do not depend on what else is in the batch.
+        rows = torch.tensor([qsl[b] for b in single], device=q.device)
+        seqs = torch.tensor(single, device=q.device)
+        got = ops.paged_decode_attention(q[rows].float().contiguous(), k_cache, v_cache,
+                                         group.block_tables.index_select(0, seqs).contiguous(),
+                                         ctx.seq_lens_tensor(q.device).index_select(0, seqs), window or 0, scale)
+        out[rows] = got.to(q.dtype)
     for b in range(ctx.num_seqs):
         s, e = qsl[b], qsl[b + 1]
-        if e == s:
+        if e == s or (single and e - s == 1):
             continue
         seq_len = ctx.seq_lens[b]
         first_query = seq_len - (e - s)

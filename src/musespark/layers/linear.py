@@ -1,14 +1,16 @@
 """`linear(x, w) = x @ w^T` in x's dtype, by the fastest exact route for the shape.
 
 On CPUs (see `kernels/cpu.py` for why):
-* bf16, few rows (decode, M <= SMALL_M): the native kernel reads each weight once and
-  keeps the rows in L1, widening bf16 weights to fp32 in registers;
-* many rows with bf16 weights on an x86 CPU without native bf16: the weight is widened
-  to fp32 once per call and MKL's fp32 GEMM runs (about 7x faster than the bf16 GEMM
-  for a 2048-token prefill);
-* otherwise `F.linear`.
-All routes accumulate in fp32 and round the result once to x's dtype, as `F.linear`
-does; only the summation order differs (rounding-level differences in fp32).
+* bf16: the native kernel, for every number of rows. It reads each weight once per
+  4-row tile, widens bf16 to fp32 in registers and computes every output row the same
+  way whatever the batch, so a request's tokens never depend on what it is batched with
+  (the server gives the offline text). PyTorch's bf16 GEMM on CPUs without AVX512-BF16/AMX
+  is several times slower;
+* bf16 without the kernels, on such a CPU, with many rows: the weight is widened to fp32
+  once per call and MKL's fp32 GEMM runs (about 7x faster than the bf16 GEMM for a
+  2048-token prefill);
+* otherwise `F.linear` (fp32 models: MKL, as in transformers).
+All routes accumulate in fp32 and round the result once to x's dtype, as `F.linear` does.
 """
 
 from __future__ import annotations
@@ -19,13 +21,11 @@ from torch import nn
 
 from ..kernels import cpu
 
-# Rows up to which the native kernel runs, per dtype: for bf16 it beats PyTorch up to
-# at least 64 rows on a 2-core AVX2 machine (benchmarks/RESULTS.md). fp32 keeps MKL, the
-# library transformers uses: the kernel is as accurate (closer to an fp64 reference than
-# MKL on the oracle configs, RESULTS.md) but rounds differently, and on random MoE
-# configs that moves fp32 logits by up to 1e-4 relative, over the 1e-5 the engine allows
-# an optimization.
-SMALL_M = {torch.bfloat16: 64}
+# fp32 keeps MKL, the library transformers uses: the kernel is as accurate (closer to an
+# fp64 reference than MKL on the oracle configs, RESULTS.md) but rounds differently, and
+# on random MoE configs that moves fp32 logits by up to 1e-4 relative, over the 1e-5 the
+# engine allows an optimization.
+NATIVE_DTYPES = (torch.bfloat16,)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,12 +34,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    small = SMALL_M.get(x.dtype, 0)
-    if 0 < M <= small and K % 8 == 0:
+    if x.dtype in NATIVE_DTYPES and M > 0 and K % 8 == 0:
         ops = cpu.native_ops()
         if ops is not None:
             return ops.linear_small_m(x.reshape(M, K), w).view(*x.shape[:-1], w.shape[0])
-    if x.dtype == torch.bfloat16 and M > small and cpu.is_x86_without_native_bf16():
+    if x.dtype == torch.bfloat16 and M > 64 and cpu.is_x86_without_native_bf16():
         return F.linear(x.float(), w.float()).to(torch.bfloat16)
     return F.linear(x, w)
 
@@ -54,10 +53,10 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
-def native_moe_ops(u: torch.Tensor, gate_up: torch.Tensor, tokens: int):
-    """The native ops when the fused expert kernel applies (bf16 weights on the CPU, at
-    most SMALL_M tokens, no autograd), else None."""
+def native_moe_ops(u: torch.Tensor, gate_up: torch.Tensor):
+    """The native ops when the fused expert kernel applies (bf16 weights on the CPU, no
+    autograd), else None."""
     if (u.device.type != "cpu" or gate_up.dtype != torch.bfloat16 or u.dtype != torch.bfloat16
-            or tokens > SMALL_M[torch.bfloat16] or (torch.is_grad_enabled() and gate_up.requires_grad)):
+            or (torch.is_grad_enabled() and gate_up.requires_grad)):
         return None
     return cpu.native_ops()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels import cpu
 from .linear import Linear, linear, native_moe_ops
 from .norm import RMSNorm, input_scaled_rms_norm
 
@@ -27,7 +28,10 @@ def route(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (weights [T, k] fp32, expert ids [T, k] int64)."""
-    logits = linear(x.float(), router_weight.float()) * output_multiplier
+    w = router_weight.float()
+    ops = cpu.native_ops() if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % 8 == 0 else None
+    # bf16 models: the native kernel in fp32, row by row, so routing never depends on the batch.
+    logits = (ops.linear_small_m(x.float(), w) if ops is not None else linear(x.float(), w)) * output_multiplier
     scores = torch.sigmoid(logits)
     ids = torch.topk(scores + bias.float(), k=top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
@@ -70,8 +74,8 @@ class Experts(nn.Module):
         """
         T, k = ids.shape
         norm = self.post_expert_norm  # per expert output, before weighting
-        ops = native_moe_ops(u, self.gate_up_proj, T)
-        if ops is not None:  # bf16 decode: one native call runs every chosen expert
+        ops = native_moe_ops(u, self.gate_up_proj)
+        if ops is not None:  # bf16: one native call runs every chosen expert
             y = ops.moe_experts(u, ids, self.gate_up_proj, self.down_proj)  # [T*k, Hm] bf16, (t, j) order
             y = norm(y, out_dtype=torch.float32)
             y = (y * weights.reshape(-1, 1)).view(T, k, -1)

@@ -13,23 +13,23 @@ from torch import nn
 
 from ..kernels import cpu
 
-# bf16 models on the CPU run the norms of small batches (decode) as one native call each
-# (kernels/cpu_norm.cpp: the same formula, one row at a time); fp32 models and large
-# batches keep the PyTorch ops below, which define the reference rounding.
-NATIVE_MAX_ROWS = 256
+# bf16 models on the CPU run each norm as one native call (kernels/cpu_norm.cpp: the same
+# formula, one row at a time, so a row's result never depends on the batch); fp32 models
+# keep the PyTorch ops below, which define the reference rounding.
 
 
-def _native(x: torch.Tensor, out_dtype: torch.dtype):
+def native_norm_ops(x: torch.Tensor, out_dtype: torch.dtype):
+    """The native ops when a norm of x to out_dtype should run natively, else None."""
     if (x.device.type != "cpu" or torch.bfloat16 not in (x.dtype, out_dtype)
             or x.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32)
-            or x.numel() > NATIVE_MAX_ROWS * x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad)):
+            or (torch.is_grad_enabled() and x.requires_grad)):
         return None
     return cpu.native_ops()
 
 
 def rms(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
     """Weightless RMS normalization over the last dim, times `scale`, in float32 (returns float32)."""
-    ops = _native(x, torch.float32)
+    ops = native_norm_ops(x, torch.float32)
     if ops is not None:
         return ops.rms_norm(x.reshape(-1, x.shape[-1]), None, eps, False, scale, torch.float32).view(x.shape)
     x = x.float()
@@ -80,12 +80,16 @@ class RMSNorm(nn.Module):
         """Cache the fp32 gain (after loading; the weight must not change afterwards)."""
         self._gain = (self.weight.float() + self.gain_center).contiguous()
 
+    def gain(self) -> torch.Tensor:
+        """fp32 [dim]: gain_center + weight."""
+        if self._gain is None:
+            self.materialize()
+        return self._gain
+
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        ops = None if self.training else _native(x, out_dtype or x.dtype)
+        ops = None if self.training else native_norm_ops(x, out_dtype or x.dtype)
         if ops is not None:
-            if self._gain is None:
-                self.materialize()
-            y = ops.rms_norm(x.reshape(-1, x.shape[-1]), self._gain, self.eps, self.input_scaled, 1.0,
+            y = ops.rms_norm(x.reshape(-1, x.shape[-1]), self.gain(), self.eps, self.input_scaled, 1.0,
                              out_dtype or x.dtype)
             return y.view(x.shape)
         if self.input_scaled:
@@ -134,3 +138,10 @@ class ResidualGate(nn.Module):
         else:
             alpha, beta = self.alpha, self.beta
         return alpha * stream + beta * branch.float()
+
+    def native(self, ops, stream: torch.Tensor, branch: torch.Tensor, gain: torch.Tensor | None, eps: float,
+               input_scaled: bool) -> torch.Tensor:
+        """`forward(stream, norm(branch))` in one native call (the norm as in `rms_norm`/`RMSNorm`)."""
+        if self.alpha is None:
+            self.materialize()
+        return ops.gated_residual(stream, branch, self.alpha, self.beta, gain, eps, input_scaled)

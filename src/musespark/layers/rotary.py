@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .norm import native_norm_ops, rms
+
 
 def inv_frequencies(theta: float, head_dim: int) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies for base `theta`."""
@@ -27,3 +29,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def norm_rope(
+    x: torch.Tensor,  # [T, heads, D], any float dtype
+    eps: float,
+    scale: float,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The attention's QK-norm and rotary embedding: rope(rms(x) * scale) in fp32,
+    rounded once to out_dtype (one native call for bf16 decode, see norm.py)."""
+    ops = native_norm_ops(x, out_dtype)
+    if ops is not None:
+        cos, sin = cos_sin if cos_sin is not None else (None, None)
+        return ops.head_norm_rope(x, cos, sin, eps, scale, out_dtype)
+    y = rms(x, eps, scale)
+    if cos_sin is not None:
+        y = apply_rotary(y, *cos_sin)
+    return y.to(out_dtype)

@@ -19,8 +19,8 @@ from ..config import ModelConfig
 from ..layers.attention import AttentionContext, paged_attention
 from ..layers.linear import Linear, linear
 from ..layers.moe import DenseMlp, SparseMoeBlock
-from ..layers.norm import ResidualGate, RMSNorm, rms
-from ..layers.rotary import apply_rotary, cos_sin, inv_frequencies
+from ..layers.norm import ResidualGate, RMSNorm, native_norm_ops, rms
+from ..layers.rotary import cos_sin, inv_frequencies, norm_rope
 
 
 class Attention(nn.Module):
@@ -49,19 +49,24 @@ class Attention(nn.Module):
                 rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """h [T, H] (model dtype) -> a [T, H] (model dtype)."""
         T, dtype, D = h.shape[0], h.dtype, self.head_dim
-        q = rms(self.q_proj(h).view(T, self.num_heads, D), self.eps, self.qk_scale)  # fp32, weightless QK-norm
-        k = rms(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps)
-        v = self.v_proj(h).view(T, self.num_kv_heads, D)
+        rotary = None  # (cos, sin) [T, D] of this layer's base
         if self.rope_theta is not None:
             if self.inv_freq is None:
                 self.inv_freq = inv_frequencies(self.rope_theta, D).to(h.device)
             if self.rope_theta not in rope:
                 rope[self.rope_theta] = cos_sin(positions, self.inv_freq)
-            cos, sin = rope[self.rope_theta]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q.to(dtype), k.to(dtype), v, positions, ctx, self.layer, self.scale, self.window)
+            rotary = rope[self.rope_theta]
+        # Weightless QK-norm (queries times qk_scale), then rotary, in fp32; rounded to the model dtype.
+        q = norm_rope(self.q_proj(h).view(T, self.num_heads, D), self.eps, self.qk_scale, rotary, dtype)
+        k = norm_rope(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps, 1.0, rotary, dtype)
+        v = self.v_proj(h).view(T, self.num_kv_heads, D)
+        o = paged_attention(q, k, v, positions, ctx, self.layer, self.scale, self.window)
         g = self.gate_proj(h).view(T, self.num_heads, D)
-        o = (rms(o, self.eps) * torch.sigmoid(g.float())).to(dtype)  # O-norm, then sigmoid gate
+        ops = native_norm_ops(o, dtype)
+        if ops is not None:
+            o = ops.norm_gate(o, g, self.eps, dtype)
+        else:
+            o = (rms(o, self.eps) * torch.sigmoid(g.float())).to(dtype)  # O-norm, then sigmoid gate
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
 
@@ -83,6 +88,12 @@ class DecoderLayer(nn.Module):
         """s [T, H] fp32 stream -> new stream [T, H] fp32."""
         h = self.input_layernorm(s, out_dtype=dtype)
         a = self.self_attn(h, positions, ctx, rope)
+        ops = native_norm_ops(a, torch.float32)
+        if ops is not None:  # bf16 decode: each norm + gated residual in one native call
+            s = self.post_attention_residual_gate.native(ops, s, a, None, self.post_norm_eps, False)
+            b = self.mlp(self.pre_feedforward_layernorm(s, out_dtype=dtype))
+            norm = self.post_feedforward_layernorm
+            return self.post_feedforward_residual_gate.native(ops, s, b, norm.gain(), norm.eps, True)
         s = self.post_attention_residual_gate(s, rms(a, self.post_norm_eps))  # weightless post-norm
         f = self.pre_feedforward_layernorm(s, out_dtype=dtype)
         b = self.mlp(f)
