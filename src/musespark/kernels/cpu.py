@@ -13,6 +13,7 @@ plain PyTorch.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -26,6 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+_HEADER = Path(__file__).with_name("cpu_simd.h")
 _SOURCES = [Path(__file__).with_name(n) for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp")]
 _LOCK = threading.Lock()
 _ops: Any = None
@@ -61,9 +63,12 @@ def kernels_enabled() -> bool:
 
 
 def cache_dir() -> Path:
+    """One build directory per torch version and kernel source text (the header included:
+    torch's builder only notices changes to the listed sources)."""
     root = os.environ.get("MUSESPARK_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "musespark"
-    return base / "kernels" / f"torch-{torch.__version__}"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))).hexdigest()[:12]
+    return base / "kernels" / f"torch-{torch.__version__}-{digest}"
 
 
 def native_ops() -> Any:
