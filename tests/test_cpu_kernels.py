@@ -114,30 +114,72 @@ def test_rms_norm_matches_the_formula(in_dtype, out_dtype, input_scaled):
     assert torch.allclose(plain, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), rtol=1e-6, atol=1e-6)
 
 
-@needs_ops
-def test_moe_experts_match_the_grouped_torch_path():
+def _random_model(seed: int, **overrides):
     from musespark.config import ModelConfig
-    from musespark.layers.moe import Experts
+    from musespark.model import MuseSparkForCausalLM, init_random_weights
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, moe_hidden_size=24, moe_intermediate_size=40,
-                      num_local_experts=6, num_experts_per_tok=3, mlp_layer_types=("dense", "sparse"))
-    experts = Experts(cfg)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    experts = experts.to(torch.bfloat16).eval()
-    T, k = 7, 3
-    u = torch.randn(T, 24, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=g)
+    fields = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, moe_hidden_size=24, moe_intermediate_size=40,
+                  num_local_experts=6, num_experts_per_tok=3, mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+                  sliding_window=4)
+    fields.update(overrides)
+    model = MuseSparkForCausalLM(ModelConfig(**fields))
+    init_random_weights(model, seed=seed)
+    return model.to(torch.bfloat16).eval()
+
+
+@needs_ops
+@pytest.mark.parametrize("T", [1, 7])
+def test_fused_layers_match_the_module_path(T):
+    """Every fused decoder layer (bf16: attn_in, attention, attn_out, ffn_dense/ffn_moe)
+    against the same layer through the PyTorch modules, from the same fp32 stream. Both
+    round to bf16 at the same places; the router's fp32 GEMV (MKL vs the kernel) and
+    sigmoid differ at rounding level, which can move one bf16 rounding by an ulp."""
+    from musespark.layers.attention import AttentionContext
+
+    model = _random_model(seed=T)
+    g = torch.Generator().manual_seed(T)
+    s = torch.randn(T, model.config.hidden_size, generator=g) * 3
+    positions = torch.arange(T)
+    kinds = set()
     with torch.inference_mode():
-        fused = experts(u, weights, ids)
-        reference = experts._grouped(u, weights, ids).sum(1)
-    # Same bf16 roundings at the same places; only fp32 summation order differs, which
-    # can move a bf16 rounding by one ulp here and there.
-    assert (fused - reference).abs().max() <= 2e-2 * reference.abs().max()
+        for layer in model.layers:
+            ctx = AttentionContext.for_prompts([T])
+            want = layer(s, positions, ctx, {}, torch.bfloat16)
+            got = layer.forward_fused(ops, s, positions, AttentionContext.for_prompts([T]), {})
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            err = (got - want).abs()
+            assert err.max() <= 2e-2 * want.abs().max(), f"layer {layer.self_attn.layer}"
+            assert err.mean() <= 1e-3 * want.abs().mean(), f"layer {layer.self_attn.layer}"
+            kinds.add((type(layer.mlp).__name__, layer.self_attn.window, layer.self_attn.rope_theta is None))
+    assert len(kinds) >= 3  # dense and sparse; sliding and full; with and without rotary
+
+
+@needs_ops
+def test_fused_model_matches_the_module_path(monkeypatch):
+    model = _random_model(seed=11, num_hidden_layers=5, mlp_layer_types=("dense", "sparse", "sparse", "sparse", "sparse"))
+    ids = list(range(3, 60))
+    with torch.inference_mode():
+        fused = model.prompt_logits(ids)
+        monkeypatch.setattr(model, "_fused_ops", lambda s: None)
+        plain = model.prompt_logits(ids)
+    assert (fused - plain).abs().max() <= 3e-2 * plain.abs().max()
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
+
+
+@needs_ops
+def test_fused_blocks_name_the_bad_argument():
+    model = _random_model(seed=1)
+    layer = model.layers[0]
+    attn, norm = layer.self_attn, layer.input_layernorm
+    s = torch.randn(2, model.config.hidden_size)
+    wrong = torch.zeros(attn.q_proj.weight.shape[0], 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="k_proj must be"):
+        ops.attn_in(s, norm.gain(), 1e-6, attn.q_proj.weight, wrong, attn.v_proj.weight, attn.gate_proj.weight,
+                    attn.num_heads, attn.num_kv_heads, 1.0, None, None)
+    with pytest.raises(RuntimeError, match="stream"):
+        ops.attn_in(s.bfloat16(), norm.gain(), 1e-6, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                    attn.gate_proj.weight, attn.num_heads, attn.num_kv_heads, 1.0, None, None)
 
 
 def test_model_runs_without_the_kernels(tmp_path):

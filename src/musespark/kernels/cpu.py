@@ -27,8 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_HEADER = Path(__file__).with_name("cpu_simd.h")
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_block.cpp")]
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
@@ -63,20 +63,19 @@ def kernels_enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    """One build directory per torch version and kernel source text (the header included:
+    """One build directory per torch version and kernel source text (headers included:
     torch's builder only notices changes to the listed sources)."""
     root = os.environ.get("MUSESPARK_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "musespark"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, _HEADER))).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()[:12]
     return base / "kernels" / f"torch-{torch.__version__}-{digest}"
 
 
 def native_ops() -> Any:
     """The `torch.ops.musespark_cpu` namespace, or None if the kernels are unavailable:
-    `linear_small_m(x, w)`, `moe_experts(x, ids, gate_up, down)` (cpu_linear.cpp) and
-    `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale)`
-    (cpu_attention.cpp) and `rms_norm(x, gain, eps, input_scaled, scale, out_dtype)`
-    (cpu_norm.cpp); each file states its contract."""
+    `linear_small_m` (cpu_linear.cpp), `paged_decode_attention` (cpu_attention.cpp),
+    `rms_norm` (cpu_norm.cpp) and the fused decoder blocks `attn_in`, `attn_out`,
+    `ffn_dense`, `ffn_moe` (cpu_block.cpp); each file states its contract."""
     if _tried:
         return _ops
     return _build()
@@ -106,7 +105,7 @@ def _compile() -> Any:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     load(name="musespark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+         extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     logger.info("musespark CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
     return torch.ops.musespark_cpu

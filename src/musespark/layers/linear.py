@@ -52,11 +52,3 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
 
-
-def native_moe_ops(u: torch.Tensor, gate_up: torch.Tensor):
-    """The native ops when the fused expert kernel applies (bf16 weights on the CPU, no
-    autograd), else None."""
-    if (u.device.type != "cpu" or gate_up.dtype != torch.bfloat16 or u.dtype != torch.bfloat16
-            or (torch.is_grad_enabled() and gate_up.requires_grad)):
-        return None
-    return cpu.native_ops()

@@ -7,14 +7,15 @@ GEMM pair over all of them; no per-token Python loop.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels import cpu
-from .linear import Linear, linear, native_moe_ops
-from .norm import RMSNorm, input_scaled_rms_norm
+from .linear import Linear, linear
+from .norm import ResidualGate, RMSNorm, input_scaled_rms_norm
 
 ROUTER_EPS = 1e-15
 
@@ -28,10 +29,7 @@ def route(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (weights [T, k] fp32, expert ids [T, k] int64)."""
-    w = router_weight.float()
-    ops = cpu.native_ops() if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % 8 == 0 else None
-    # bf16 models: the native kernel in fp32, row by row, so routing never depends on the batch.
-    logits = (ops.linear_small_m(x.float(), w) if ops is not None else linear(x.float(), w)) * output_multiplier
+    logits = linear(x.float(), router_weight.float()) * output_multiplier
     scores = torch.sigmoid(logits)
     ids = torch.topk(scores + bias.float(), k=top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
@@ -72,19 +70,9 @@ class Experts(nn.Module):
         all of them. Each token's k contributions are then summed in increasing expert id,
         one add at a time (the reference's accumulation order).
         """
-        T, k = ids.shape
-        norm = self.post_expert_norm  # per expert output, before weighting
-        ops = native_moe_ops(u, self.gate_up_proj)
-        if ops is not None:  # bf16: one native call runs every chosen expert
-            y = ops.moe_experts(u, ids, self.gate_up_proj, self.down_proj)  # [T*k, Hm] bf16, (t, j) order
-            y = norm(y, out_dtype=torch.float32)
-            y = (y * weights.reshape(-1, 1)).view(T, k, -1)
-            # Slot r of token t holds its r-th smallest expert's contribution.
-            z = y.gather(1, ids.argsort(dim=1)[:, :, None].expand(-1, -1, y.shape[-1]))
-        else:
-            z = self._grouped(u, weights, ids)
+        z = self._grouped(u, weights, ids)
         out = z[:, 0]
-        for r in range(1, k):
+        for r in range(1, ids.shape[1]):
             out = out + z[:, r]
         return out
 
@@ -130,6 +118,21 @@ class SparseMoeBlock(nn.Module):
         y = self.experts(u, weights, ids)  # [T, Hm] fp32
         return self.post_expert_proj(y.to(f.dtype))
 
+    def forward_fused(self, ops: Any, s: torch.Tensor, pre_norm: RMSNorm, post_norm: RMSNorm,
+                      gate: ResidualGate) -> torch.Tensor:
+        """The decoder layer's whole feed-forward half in one native call (bf16 weights on
+        the CPU, kernels/cpu_block.cpp `ffn_moe`): s [T, H] fp32 -> gate(s, post_norm(forward(pre_norm(s)))).
+
+        The op takes one eps for the pre-norm and pre-expert norm (both rms_norm_eps) and one
+        for the per-expert and block post-norms (both post_norm_eps)."""
+        router, experts = self.gate, self.experts
+        return ops.ffn_moe(s, pre_norm.gain(), pre_norm.eps, router.weight.float(),
+                           router.e_score_correction_bias.float(),
+                           router.top_k, router.output_multiplier, router.routed_scaling_factor,
+                           self.pre_expert_proj.weight, self.pre_expert_norm.gain(), experts.gate_up_proj,
+                           experts.down_proj, experts.post_expert_norm.gain(), self.post_expert_proj.weight,
+                           post_norm.gain(), post_norm.eps, *gate.coefficients_cached())
+
 
 class DenseMlp(nn.Module):
     """SwiGLU: down(silu(gate f) * up f)."""
@@ -142,3 +145,9 @@ class DenseMlp(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(f)) * self.up_proj(f))
+
+    def forward_fused(self, ops: Any, s: torch.Tensor, pre_norm: RMSNorm, post_norm: RMSNorm,
+                      gate: ResidualGate) -> torch.Tensor:
+        """As `SparseMoeBlock.forward_fused`, through `ffn_dense`."""
+        return ops.ffn_dense(s, pre_norm.gain(), pre_norm.eps, self.gate_proj.weight, self.up_proj.weight,
+                             self.down_proj.weight, post_norm.gain(), post_norm.eps, *gate.coefficients_cached())

@@ -80,6 +80,10 @@ class RMSNorm(nn.Module):
         """Cache the fp32 gain (after loading; the weight must not change afterwards)."""
         self._gain = (self.weight.float() + self.gain_center).contiguous()
 
+    def _apply(self, fn, *args, **kwargs):
+        self._gain = None  # `.to()` and friends may change the weight: recompute on next use
+        return super()._apply(fn, *args, **kwargs)
+
     def gain(self) -> torch.Tensor:
         """fp32 [dim]: gain_center + weight."""
         if self._gain is None:
@@ -126,6 +130,11 @@ class ResidualGate(nn.Module):
         alpha = torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1.0 + beta), min=self.eps))
         return alpha, beta
 
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self.alpha = self.beta = None  # the gate may have changed dtype or device: recompute on next use
+        return out
+
     @torch.no_grad()
     def materialize(self) -> None:
         alpha, beta = self.coefficients()
@@ -133,15 +142,11 @@ class ResidualGate(nn.Module):
 
     def forward(self, stream: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         # stream: [T, H] fp32; branch: [T, H] fp32 (already post-normed)
-        if self.training or self.alpha is None:
-            alpha, beta = self.coefficients()
-        else:
-            alpha, beta = self.alpha, self.beta
+        alpha, beta = self.coefficients() if self.training else self.coefficients_cached()
         return alpha * stream + beta * branch.float()
 
-    def native(self, ops, stream: torch.Tensor, branch: torch.Tensor, gain: torch.Tensor | None, eps: float,
-               input_scaled: bool) -> torch.Tensor:
-        """`forward(stream, norm(branch))` in one native call (the norm as in `rms_norm`/`RMSNorm`)."""
+    def coefficients_cached(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha, beta) fp32 [H], from `materialize()` (made on first use)."""
         if self.alpha is None:
             self.materialize()
-        return ops.gated_residual(stream, branch, self.alpha, self.beta, gain, eps, input_scaled)
+        return self.alpha, self.beta

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .norm import native_norm_ops, rms
+from .norm import rms
 
 
 def inv_frequencies(theta: float, head_dim: int) -> torch.Tensor:
@@ -39,11 +39,7 @@ def norm_rope(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The attention's QK-norm and rotary embedding: rope(rms(x) * scale) in fp32,
-    rounded once to out_dtype (one native call for bf16 decode, see norm.py)."""
-    ops = native_norm_ops(x, out_dtype)
-    if ops is not None:
-        cos, sin = cos_sin if cos_sin is not None else (None, None)
-        return ops.head_norm_rope(x, cos, sin, eps, scale, out_dtype)
+    rounded once to out_dtype."""
     y = rms(x, eps, scale)
     if cos_sin is not None:
         y = apply_rotary(y, *cos_sin)

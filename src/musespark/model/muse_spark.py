@@ -10,16 +10,18 @@ the model dtype; weights and matmuls run in the model dtype; logits are float32.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels import cpu
 from ..layers.attention import AttentionContext, paged_attention
 from ..layers.linear import Linear, linear
 from ..layers.moe import DenseMlp, SparseMoeBlock
-from ..layers.norm import ResidualGate, RMSNorm, native_norm_ops, rms
+from ..layers.norm import ResidualGate, RMSNorm, rms
 from ..layers.rotary import cos_sin, inv_frequencies, norm_rope
 
 
@@ -45,28 +47,30 @@ class Attention(nn.Module):
         # Filled by `materialize_constants` (not here: building on the meta device stays cheap).
         self.register_buffer("inv_freq", None, persistent=False)
 
+    def rotary(self, positions: torch.Tensor,
+               rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) [T, D] fp32 of this layer's base, shared through `rope` by layers of
+        the same base; None on NoPE layers."""
+        if self.rope_theta is None:
+            return None
+        if self.inv_freq is None:
+            self.inv_freq = inv_frequencies(self.rope_theta, self.head_dim).to(positions.device)
+        if self.rope_theta not in rope:
+            rope[self.rope_theta] = cos_sin(positions, self.inv_freq)
+        return rope[self.rope_theta]
+
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """h [T, H] (model dtype) -> a [T, H] (model dtype)."""
         T, dtype, D = h.shape[0], h.dtype, self.head_dim
-        rotary = None  # (cos, sin) [T, D] of this layer's base
-        if self.rope_theta is not None:
-            if self.inv_freq is None:
-                self.inv_freq = inv_frequencies(self.rope_theta, D).to(h.device)
-            if self.rope_theta not in rope:
-                rope[self.rope_theta] = cos_sin(positions, self.inv_freq)
-            rotary = rope[self.rope_theta]
+        rotary = self.rotary(positions, rope)
         # Weightless QK-norm (queries times qk_scale), then rotary, in fp32; rounded to the model dtype.
         q = norm_rope(self.q_proj(h).view(T, self.num_heads, D), self.eps, self.qk_scale, rotary, dtype)
         k = norm_rope(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps, 1.0, rotary, dtype)
         v = self.v_proj(h).view(T, self.num_kv_heads, D)
         o = paged_attention(q, k, v, positions, ctx, self.layer, self.scale, self.window)
         g = self.gate_proj(h).view(T, self.num_heads, D)
-        ops = native_norm_ops(o, dtype)
-        if ops is not None:
-            o = ops.norm_gate(o, g, self.eps, dtype)
-        else:
-            o = (rms(o, self.eps) * torch.sigmoid(g.float())).to(dtype)  # O-norm, then sigmoid gate
+        o = (rms(o, self.eps) * torch.sigmoid(g.float())).to(dtype)  # O-norm, then sigmoid gate
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
 
@@ -88,16 +92,26 @@ class DecoderLayer(nn.Module):
         """s [T, H] fp32 stream -> new stream [T, H] fp32."""
         h = self.input_layernorm(s, out_dtype=dtype)
         a = self.self_attn(h, positions, ctx, rope)
-        ops = native_norm_ops(a, torch.float32)
-        if ops is not None:  # bf16 decode: each norm + gated residual in one native call
-            s = self.post_attention_residual_gate.native(ops, s, a, None, self.post_norm_eps, False)
-            b = self.mlp(self.pre_feedforward_layernorm(s, out_dtype=dtype))
-            norm = self.post_feedforward_layernorm
-            return self.post_feedforward_residual_gate.native(ops, s, b, norm.gain(), norm.eps, True)
         s = self.post_attention_residual_gate(s, rms(a, self.post_norm_eps))  # weightless post-norm
         f = self.pre_feedforward_layernorm(s, out_dtype=dtype)
         b = self.mlp(f)
         return self.post_feedforward_residual_gate(s, self.post_feedforward_layernorm(b, out_dtype=torch.float32))
+
+    def forward_fused(self, ops: Any, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                      rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """`forward` for bf16 weights on the CPU through the native fused blocks
+        (kernels/cpu_block.cpp: the same formulas and bf16 roundings), four calls plus the
+        attention: s [T, H] fp32 -> new stream [T, H] fp32."""
+        attn, norm = self.self_attn, self.input_layernorm
+        cos, sin = attn.rotary(positions, rope) or (None, None)
+        q, k, v, g = ops.attn_in(s, norm.gain(), norm.eps, attn.q_proj.weight, attn.k_proj.weight,
+                                 attn.v_proj.weight, attn.gate_proj.weight, attn.num_heads, attn.num_kv_heads,
+                                 attn.qk_scale, cos, sin)
+        o = paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window)
+        gate = self.post_attention_residual_gate.coefficients_cached()
+        s = ops.attn_out(s, o.contiguous(), g, attn.o_proj.weight, attn.eps, *gate, self.post_norm_eps)
+        return self.mlp.forward_fused(ops, s, self.pre_feedforward_layernorm, self.post_feedforward_layernorm,
+                                      self.post_feedforward_residual_gate)
 
 
 class Embedding(nn.Module):
@@ -147,9 +161,21 @@ class MuseSparkForCausalLM(nn.Module):
         dtype = self.dtype
         s = rms(self.embed_tokens(input_ids), self.config.rms_norm_eps)  # fp32 stream
         rope: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin shared by layers of one base
+        ops = self._fused_ops(s)
         for layer in self.layers:
-            s = layer(s, positions, ctx, rope, dtype)
+            s = layer(s, positions, ctx, rope, dtype) if ops is None else layer.forward_fused(ops, s, positions, ctx, rope)
         return self.norm(s, out_dtype=dtype)
+
+    def _fused_ops(self, s: torch.Tensor) -> Any:
+        """The native ops when the fused decoder blocks apply (bf16 weights on an x86 CPU
+        with the kernels built, no autograd, widths that are multiples of 8), else None."""
+        cfg = self.config
+        if (self.dtype != torch.bfloat16 or s.device.type != "cpu" or self.training
+                or (torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad)
+                or any(n % 8 for n in (cfg.hidden_size, cfg.head_dim, cfg.moe_hidden_size,
+                                       cfg.moe_intermediate_size, cfg.intermediate_size))):
+            return None
+        return cpu.native_ops()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """y [N, H] -> soft-capped logits [N, V] in fp32: T * tanh(y W^T * m / T)."""

@@ -1,0 +1,119 @@
+// Small-M linear layers on x86 CPUs with AVX2+FMA: y[M, N] = x[M, K] @ w[N, K]^T, fp32
+// accumulation, shared by the kernels that multiply by weights.
+//
+// Why: decode multiplies a handful of rows by large weights, so it is bound by reading
+// the weights. Each weight element is read once, widened to fp32 in registers (bf16 is
+// the top half of an fp32) and used for all M rows of x, which sit in L1.
+//
+// Invariant (batch invariance): every output element is one dot product computed the
+// same way (8 fp32 lanes over K in order, then `hsum`) whatever M, the tile it falls in or
+// the job list it is part of, so a row's result never depends on the other rows.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "cpu_simd.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace musespark_gemv {
+
+using musespark_simd::hsum;
+using musespark_simd::load8;
+
+// Elements of W in one 64-byte cache line.
+template <typename W>
+constexpr int64_t kLine = 64 / sizeof(W);
+
+// Rows this far ahead are prefetched: rows are short streams (K elements), too short for
+// the hardware prefetcher to ramp up on its own.
+constexpr int64_t kPrefetchRows = 4;
+
+// Weight rows per tile.
+constexpr int kNR = 4;
+
+// NR weight rows times MR input rows: NR*MR independent accumulators. y has row stride ldy.
+template <typename W, int NR, int MR>
+inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy) {
+  __m256 acc[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) acc[n][m] = _mm256_setzero_ps();
+  auto step = [&](int64_t k) {
+    __m256 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int n = 0; n < NR; ++n) {
+      __m256 wv = load8(w + n * K + k);
+      for (int m = 0; m < MR; ++m) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
+    }
+  };
+  constexpr int64_t L = kLine<W>;
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    for (int n = 0; n < NR; ++n)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (kPrefetchRows + n) * K + k), _MM_HINT_T0);
+    for (int64_t j = 0; j < L; j += 8) step(k + j);
+  }
+  for (; k < K; k += 8) step(k);
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = hsum(acc[n][m]);
+}
+
+// Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x.
+template <typename W>
+inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, float* y,
+                        int64_t ldy) {
+  auto rows = [&](auto nr, const W* wt, float* yt) {
+    constexpr int NR = decltype(nr)::value;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) tile<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy);
+    if (m < M) tile<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy);
+  };
+  if (n0 + kNR <= N) {
+    rows(std::integral_constant<int, kNR>{}, w + n0 * K, y + n0);
+  } else {
+    for (int64_t r = n0; r < N; ++r) rows(std::integral_constant<int, 1>{}, w + r * K, y + r);
+  }
+}
+
+// One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32.
+struct Job {
+  const float* x;
+  int64_t M, K;
+  const void* w;
+  bool w_bf16;
+  int64_t N;
+  float* y;
+  int64_t ldy;
+  int64_t tiles() const { return (N + kNR - 1) / kNR; }
+};
+
+// Runs several products in one parallel region (one thread wake-up, one stream of weight
+// tiles split across threads: each thread reads its own contiguous slice once).
+inline void run_jobs(const std::vector<Job>& jobs) {
+  std::vector<int64_t> first(jobs.size() + 1, 0);  // first tile of each job
+  for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
+  at::parallel_for(0, first.back(), 16, [&](int64_t t0, int64_t t1) {
+    size_t j = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
+    for (int64_t t = t0; t < t1; ++t) {
+      while (t >= first[j + 1]) ++j;
+      const Job& b = jobs[j];
+      const int64_t n0 = (t - first[j]) * kNR;
+      if (b.w_bf16)
+        weight_tile(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), b.N, n0, b.y, b.ldy);
+      else
+        weight_tile(b.x, b.M, b.K, static_cast<const float*>(b.w), b.N, n0, b.y, b.ldy);
+    }
+  });
+}
+
+inline Job job(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t ldy) {
+  return Job{x, M, K, w.data_ptr(), w.scalar_type() == at::kBFloat16, w.size(0), y, ldy};
+}
+
+inline void run(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y) {
+  run_jobs({job(x, M, K, w, y, w.size(0))});
+}
+
+}  // namespace musespark_gemv
