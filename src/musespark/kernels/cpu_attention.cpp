@@ -13,8 +13,10 @@
 
 #include "cpu_simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,6 +24,54 @@ namespace {
 using musespark_simd::hsum;
 using musespark_simd::load8;
 
+constexpr int64_t kAheadKeys = 8;
+
+// The horizontal sums of 8 vectors, as one vector: lane j = sum of a[j]'s lanes.
+inline __m256 hsum8(const __m256 a[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// exp(x) for x <= 0, 8 lanes: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, and the
+// Cephes expf polynomial (relative error about 1e-7); x below -87 is clamped (exp ~ 1e-38,
+// nothing next to the softmax's maximum term, which is 1).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// s[0:L] <- softmax(s), fp32; the normalizer sums in key order.
+inline void softmax(float* s, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 8 <= L; i += 8) _mm256_storeu_ps(s + i, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv)));
+  if (i < L) {  // the tail through the same 8-lane code
+    float tail[8];
+    for (int64_t j = 0; j < 8; ++j) tail[j] = i + j < L ? s[i + j] - m : -87.f;
+    _mm256_storeu_ps(tail, exp_nonpositive(_mm256_loadu_ps(tail)));
+    for (int64_t j = 0; i + j < L; ++j) s[i + j] = tail[j];
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < L; ++j) total += s[j];
+  const float inv = 1.f / total;
+  for (int64_t j = 0; j < L; ++j) s[j] *= inv;
+}
+
+// One sequence, one KV head, its G query heads. Each key row is widened once and dotted
+// with every query head, 8 keys at a time; then each head's output accumulates the value rows in key
+// order with its vectors in registers (value rows are in L1/L2 by then).
 template <typename T>
 void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, int64_t slot_stride,
             const int64_t* table, int64_t block_size, int64_t first, int64_t last, float scale, float* out) {
@@ -32,34 +82,55 @@ void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_c
     const int64_t p = first + i;
     slots[i] = table[p / block_size] * block_size + p % block_size;
   }
-  for (int64_t i = 0; i < L; ++i) {
-    const T* key = k_cache + slots[i] * slot_stride;
+  // Cache rows are scattered (one per slot, nKV * D apart): prefetch keys a few rows ahead,
+  // and each value row while its key is used, for the second pass.
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  auto prefetch = [&](const T* p, int hint) {
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, static_cast<_mm_hint>(hint));
+  };
+  // Scores, 8 keys at a time: widen them into `rows` (zeros past the last key), then per
+  // head one accumulator per key, reduced together (`hsum8`).
+  std::vector<float> rows(static_cast<size_t>(8 * D));
+  for (int64_t i0 = 0; i0 < L; i0 += 8) {
+    const int64_t n = std::min<int64_t>(8, L - i0);
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t i = i0 + j;
+      if (i + kAheadKeys < L) prefetch(k_cache + slots[i + kAheadKeys] * slot_stride, _MM_HINT_T0);
+      if (j < n) prefetch(v_cache + slots[i] * slot_stride, _MM_HINT_T1);
+      const T* key = j < n ? k_cache + slots[i] * slot_stride : nullptr;
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(rows.data() + j * D + d, key ? load8(key + d) : _mm256_setzero_ps());
+    }
     for (int64_t g = 0; g < G; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), load8(key + d), acc);
-      scores[g * L + i] = hsum(acc) * scale;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows.data() + j * D + d), acc[j]);
+      }
+      float got[8];
+      _mm256_storeu_ps(got, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+      std::copy_n(got, n, scores.data() + g * L + i0);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * L;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-    float total = 0.f;
+  for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * L, L);
+  // out[g] = sum_i p[g, i] * v_i, keys in order, NV vectors of one head's output in registers.
+  auto values = [&](auto nv, int64_t g, int64_t d0) {
+    constexpr int NV = decltype(nv)::value;
+    __m256 acc[NV];
+    for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+    const float* p = scores.data() + g * L;
     for (int64_t i = 0; i < L; ++i) {
-      s[i] = std::exp(s[i] - m);
-      total += s[i];
+      const T* value = v_cache + slots[i] * slot_stride + d0;
+      const __m256 w = _mm256_set1_ps(p[i]);
+      for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, load8(value + 8 * j), acc[j]);
     }
-    const float inv = 1.f / total;
-    for (int64_t i = 0; i < L; ++i) s[i] *= inv;
-  }
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + g * D + d0 + 8 * j, acc[j]);
+  };
   for (int64_t g = 0; g < G; ++g) {
-    const float* s = scores.data() + g * L;
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < L; ++i)
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), load8(v_cache + slots[i] * slot_stride + d), acc);
-      _mm256_storeu_ps(out + g * D + d, acc);
-    }
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) values(std::integral_constant<int, 8>{}, g, d0);
+    for (; d0 < D; d0 += 8) values(std::integral_constant<int, 1>{}, g, d0);
   }
 }
 
