@@ -105,3 +105,34 @@ def test_sliding_layers_hold_only_the_window(checkpoint):
             n_full = kv.num_held_blocks("long", full[0])
     assert peak <= bound
     assert n_full >= (20 + 190) // 4
+
+
+def test_bf16_tokens_do_not_depend_on_the_batch(checkpoint, prompts):
+    """bf16 on the CPU computes every row the same way whatever else is in the batch
+    (README, "CPU kernels"): a request's greedy tokens and logprobs are identical alone and
+    batched with prompts of other lengths (prefill rows next to decode rows)."""
+    from musespark.kernels import cpu
+
+    if cpu.native_ops() is None:
+        pytest.skip("batch invariance in bf16 is a property of the native kernels (test_cpu_kernels checks they build)")
+    llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=128, block_size=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    chosen = prompts[:6]
+    alone = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in chosen]
+    # Staggered arrivals: later requests prefill while earlier ones decode.
+    engine = llm.engine
+    together = {}
+    pending = list(enumerate(chosen))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        for out in engine.step():
+            if out.finished:
+                together[out.request_id] = out.outputs[0]
+    assert len(together) == len(chosen)
+    for i, a in enumerate(alone):
+        b = together[f"r{i}"]
+        assert b.token_ids == a.token_ids, f"prompt {i}"
+        assert [{t: lp.logprob for t, lp in d.items()} for d in b.logprobs] == \
+            [{t: lp.logprob for t, lp in d.items()} for d in a.logprobs], f"prompt {i}"
