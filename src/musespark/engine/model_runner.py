@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CacheConfig, ModelConfig
+from ..kernels import cpu
 from ..layers.attention import AttentionContext, KVGroup
 from ..layers.sampler import SamplingBatch, sample
 from ..model.muse_spark import MuseSparkForCausalLM
@@ -65,6 +66,8 @@ class ModelRunner:
     def __init__(self, model: MuseSparkForCausalLM, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> None:
         self.model = model
         cfg = model.config
+        if model.device.type == "cpu":
+            cpu.native_ops()  # build (once, cached) or load the CPU kernels now, not during the first request
         self.layout = kv_layout(cfg)
         self.block_size = cache.block_size
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()

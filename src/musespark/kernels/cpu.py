@@ -1,4 +1,4 @@
-"""The native CPU kernels (`cpu_linear.cpp`, `cpu_attention.cpp`, `cpu_norm.cpp`), compiled on first use and cached.
+"""The native CPU kernels (`cpu_*.cpp`, `cpu_*.h`), compiled on first use and cached.
 
 Built with PyTorch's extension builder (the system C++ compiler and ninja) into
 `$MUSESPARK_CACHE/kernels` (default `~/.cache/musespark/kernels`); later processes load
@@ -27,8 +27,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h")]
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_block.cpp")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h")]
+_SOURCES = [Path(__file__).with_name(n)
+            for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_attn_block.cpp", "cpu_ffn_block.cpp")]
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
@@ -74,8 +75,9 @@ def cache_dir() -> Path:
 def native_ops() -> Any:
     """The `torch.ops.musespark_cpu` namespace, or None if the kernels are unavailable:
     `linear_small_m` (cpu_linear.cpp), `paged_decode_attention` (cpu_attention.cpp),
-    `rms_norm` (cpu_norm.cpp) and the fused decoder blocks `attn_in`, `attn_out`,
-    `ffn_dense`, `ffn_moe` (cpu_block.cpp); each file states its contract."""
+    `rms_norm` (cpu_norm.cpp) and the fused decoder blocks `attn_in`, `attn_out`
+    (cpu_attn_block.cpp), `ffn_dense`, `ffn_moe` (cpu_ffn_block.cpp; cpu_block.h says what
+    they share); each file states its contract."""
     if _tried:
         return _ops
     return _build()

@@ -121,7 +121,7 @@ class SparseMoeBlock(nn.Module):
     def forward_fused(self, ops: Any, s: torch.Tensor, pre_norm: RMSNorm, post_norm: RMSNorm,
                       gate: ResidualGate) -> torch.Tensor:
         """The decoder layer's whole feed-forward half in one native call (bf16 weights on
-        the CPU, kernels/cpu_block.cpp `ffn_moe`): s [T, H] fp32 -> gate(s, post_norm(forward(pre_norm(s)))).
+        the CPU, kernels/cpu_ffn_block.cpp `ffn_moe`): s [T, H] fp32 -> gate(s, post_norm(forward(pre_norm(s)))).
 
         The op takes one eps for the pre-norm and pre-expert norm (both rms_norm_eps) and one
         for the per-expert and block post-norms (both post_norm_eps)."""

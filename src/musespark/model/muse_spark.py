@@ -99,9 +99,9 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, ops: Any, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                       rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """`forward` for bf16 weights on the CPU through the native fused blocks
-        (kernels/cpu_block.cpp: the same formulas and bf16 roundings), four calls plus the
-        attention: s [T, H] fp32 -> new stream [T, H] fp32."""
+        """`forward` for bf16 weights on the CPU through the native fused blocks (kernels/
+        cpu_attn_block.cpp, cpu_ffn_block.cpp: the same formulas and bf16 roundings), four
+        calls plus the attention: s [T, H] fp32 -> new stream [T, H] fp32."""
         attn, norm = self.self_attn, self.input_layernorm
         cos, sin = attn.rotary(positions, rope) or (None, None)
         q, k, v, g = ops.attn_in(s, norm.gain(), norm.eps, attn.q_proj.weight, attn.k_proj.weight,

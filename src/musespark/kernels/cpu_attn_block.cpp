@@ -1,0 +1,115 @@
+// Fused attention-side blocks `attn_in` and `attn_out` (see cpu_block.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "cpu_block.h"
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using namespace musespark_block;
+
+// s [T, H] fp32 -> (q [T, nH, D], k [T, nKV, D], v [T, nKV, D], g [T, nH, D]) bf16:
+//   h = bf16(rms(s) * gain);  q, k, v, g = bf16(h W^T);
+//   q = bf16(rope(rms(q_head) * qk_scale)), k = bf16(rope(rms(k_head))) (no rope without cos/sin).
+// `eps` is the model's rms_norm_eps (input norm and QK-norm).
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor& gain, double eps, const Tensor& wq,
+                                                   const Tensor& wk, const Tensor& wv, const Tensor& wg,
+                                                   int64_t num_heads, int64_t num_kv_heads, double qk_scale,
+                                                   const c10::optional<Tensor>& cos,
+                                                   const c10::optional<Tensor>& sin) {
+  check_stream(s, "attn_in");
+  const int64_t T = s.size(0), H = s.size(1);
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && wq.dim() == 2 && wq.size(0) % num_heads == 0,
+              "attn_in: q_proj rows must split into num_heads heads");
+  const int64_t D = wq.size(0) / num_heads, nH = num_heads, nKV = num_kv_heads;
+  check_vector(gain, H, "attn_in: gain");
+  check_weight(wq, nH * D, H, "attn_in: q_proj");
+  check_weight(wk, nKV * D, H, "attn_in: k_proj");
+  check_weight(wv, nKV * D, H, "attn_in: v_proj");
+  check_weight(wg, nH * D, H, "attn_in: gate_proj");
+  const bool rope = cos.has_value() && cos->defined();
+  if (rope) {
+    TORCH_CHECK(sin.has_value() && sin->defined() && D % 2 == 0, "attn_in: rotary needs cos and sin, even head_dim");
+    for (const Tensor* c : {&cos.value(), &sin.value()})
+      TORCH_CHECK(c->dim() == 2 && c->size(0) == T && c->size(1) == D && c->scalar_type() == at::kFloat &&
+                      c->is_contiguous(),
+                  "attn_in: cos/sin must be contiguous float32 [T, head_dim]");
+  }
+  const float e = static_cast<float>(eps);
+  std::vector<float> h = pre_norm(s.data_ptr<float>(), T, H, gain.data_ptr<float>(), e);
+  // One row of `proj` is [q | k | v | g].
+  const int64_t W = (2 * nH + 2 * nKV) * D, ok = nH * D, ov = ok + nKV * D, og = ov + nKV * D;
+  std::vector<float> proj(T * W);
+  run_jobs({job(h.data(), T, H, wq, proj.data(), W), job(h.data(), T, H, wk, proj.data() + ok, W),
+            job(h.data(), T, H, wv, proj.data() + ov, W), job(h.data(), T, H, wg, proj.data() + og, W)});
+  auto opts = s.options().dtype(at::kBFloat16);
+  Tensor q = at::empty({T, nH, D}, opts), k = at::empty({T, nKV, D}, opts), v = at::empty({T, nKV, D}, opts),
+         g = at::empty({T, nH, D}, opts);
+  auto *qp = q.data_ptr<at::BFloat16>(), *kp = k.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>(),
+       *gp = g.data_ptr<at::BFloat16>();
+  const float* cp = rope ? cos->data_ptr<float>() : nullptr;
+  const float* sp = rope ? sin->data_ptr<float>() : nullptr;
+  const float qs = static_cast<float>(qk_scale);
+  for_rows(T, 3 * D, [&](int64_t t, float* tmp) {
+    float* row = proj.data() + t * W;
+    round_all(row, W);  // the projections' outputs are bf16
+    float *r = tmp, *scratch = tmp + D, *norm = tmp + 2 * D;
+    auto head = [&](const float* x, float scale, at::BFloat16* out) {
+      rms_row(x, D, nullptr, e, false, scale, norm, r);
+      if (rope) rope_row(r, cp + t * D, sp + t * D, D, scratch);
+      for (int64_t i = 0; i < D; ++i) out[i] = at::BFloat16(r[i]);
+    };
+    for (int64_t i = 0; i < nH; ++i) head(row + i * D, qs, qp + (t * nH + i) * D);
+    for (int64_t i = 0; i < nKV; ++i) head(row + ok + i * D, 1.f, kp + (t * nKV + i) * D);
+    for (int64_t i = 0; i < nKV * D; ++i) vp[t * nKV * D + i] = at::BFloat16(row[ov + i]);
+    for (int64_t i = 0; i < nH * D; ++i) gp[t * nH * D + i] = at::BFloat16(row[og + i]);
+  });
+  return {q, k, v, g};
+}
+
+// s [T, H] fp32, o and g [T, nH, D] bf16 -> s' [T, H] fp32:
+//   x = bf16(rms(o_head) * sigmoid(g));  a = bf16(x Wo^T);  s' = alpha * s + beta * rms(a).
+// `eps` is the O-norm's (rms_norm_eps), `post_eps` the weightless post-attention norm's.
+Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, const Tensor& wo, double eps, const Tensor& alpha,
+                const Tensor& beta, double post_eps) {
+  check_stream(s, "attn_out");
+  const int64_t T = s.size(0), H = s.size(1);
+  TORCH_CHECK(o.dim() == 3 && o.size(0) == T && o.scalar_type() == at::kBFloat16 && o.is_contiguous() &&
+                  g.sizes() == o.sizes() && g.scalar_type() == at::kBFloat16 && g.is_contiguous(),
+              "attn_out: o and g must be contiguous bfloat16 [T, heads, head_dim] alike");
+  const int64_t nH = o.size(1), D = o.size(2);
+  check_weight(wo, H, nH * D, "attn_out: o_proj");
+  check_residual(s, alpha, beta);
+  const float e = static_cast<float>(eps);
+  std::vector<float> x(T * nH * D), a(T * H);
+  const auto *op = o.data_ptr<at::BFloat16>(), *gp = g.data_ptr<at::BFloat16>();
+  for_rows(T, D, [&](int64_t t, float* tmp) {
+    for (int64_t i = 0; i < nH; ++i) {
+      const int64_t base = (t * nH + i) * D;
+      rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x.data() + base);
+      for (int64_t j = 0; j < D; ++j)
+        x[base + j] = round_bf16(x[base + j] * sigmoid(static_cast<float>(gp[base + j])));
+    }
+  });
+  run_jobs({job(x.data(), T, nH * D, wo, a.data(), H)});
+  round_all(a.data(), T * H);
+  return residual(s, a.data(), nullptr, static_cast<float>(post_eps), alpha, beta);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
+  m.def("attn_in(Tensor s, Tensor gain, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor wg, int num_heads, "
+        "int num_kv_heads, float qk_scale, Tensor? cos, Tensor? sin) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("attn_out(Tensor s, Tensor o, Tensor g, Tensor wo, float eps, Tensor alpha, Tensor beta, float post_eps) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
+  m.impl("attn_in", &attn_in);
+  m.impl("attn_out", &attn_out);
+}

@@ -1,0 +1,188 @@
+// Fused feed-forward blocks `ffn_dense` and `ffn_moe` (see cpu_block.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "cpu_block.h"
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using namespace musespark_block;
+
+constexpr float kRouterEps = 1e-15f;  // added to the sum of the chosen scores
+
+// act = bf16(bf16(silu(gate)) * up) over n rows of [gate | up] (2I wide, bf16 values).
+void swiglu(const float* gu, int64_t n, int64_t I, float* act) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const float gate = gu[r * 2 * I + i], up = gu[r * 2 * I + I + i];
+      act[r * I + i] = round_bf16(round_bf16(gate / (1.f + std::exp(-gate))) * up);
+    }
+}
+
+// s [T, H] fp32 -> s' [T, H] fp32, a dense SwiGLU MLP:
+//   f = bf16(rms(s) * pre_gain);  b = bf16(bf16(silu(bf16(f Wg^T)) * bf16(f Wu^T)) Wd^T);
+//   s' = alpha * s + beta * rms(b * post_gain)   (the input-scaled post-norm, post_eps).
+Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor& w_gate, const Tensor& w_up,
+                 const Tensor& w_down, const Tensor& post_gain, double post_eps, const Tensor& alpha,
+                 const Tensor& beta) {
+  check_stream(s, "ffn_dense");
+  const int64_t T = s.size(0), H = s.size(1), I = w_gate.size(0);
+  check_vector(pre_gain, H, "ffn_dense: pre_gain");
+  check_vector(post_gain, H, "ffn_dense: post_gain");
+  check_weight(w_gate, I, H, "ffn_dense: gate_proj");
+  check_weight(w_up, I, H, "ffn_dense: up_proj");
+  check_weight(w_down, H, I, "ffn_dense: down_proj");
+  TORCH_CHECK(I % 8 == 0, "ffn_dense: intermediate size must be a multiple of 8");
+  check_residual(s, alpha, beta);
+  std::vector<float> f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps));
+  std::vector<float> gu(T * 2 * I), act(T * I), b(T * H);
+  run_jobs({job(f.data(), T, H, w_gate, gu.data(), 2 * I), job(f.data(), T, H, w_up, gu.data() + I, 2 * I)});
+  round_all(gu.data(), T * 2 * I);
+  swiglu(gu.data(), T, I, act.data());
+  run_jobs({job(act.data(), T, I, w_down, b.data(), H)});
+  round_all(b.data(), T * H);
+  return residual(s, b.data(), post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta);
+}
+
+// Router for one token: scores = sigmoid(logits * multiplier); the top_k experts by
+// scores + bias (ties: the lower id), returned in increasing id order with weights
+// scores / (sum of chosen scores + 1e-15) * routed_scaling (the sum in that order).
+void route_row(const float* logits, const float* bias, int64_t E, int64_t top_k, float multiplier, float scaling,
+               float* scores, int64_t* ids, float* weights) {
+  for (int64_t e = 0; e < E; ++e) scores[e] = sigmoid(logits[e] * multiplier);
+  std::vector<bool> taken(E, false);
+  for (int64_t j = 0; j < top_k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (!taken[e] && (best < 0 || scores[e] + bias[e] > scores[best] + bias[best])) best = e;
+    taken[best] = true;
+  }
+  int64_t j = 0;
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e)
+    if (taken[e]) {
+      ids[j] = e;
+      weights[j++] = scores[e];
+      sum += scores[e];
+    }
+  for (j = 0; j < top_k; ++j) weights[j] = weights[j] / (sum + kRouterEps) * scaling;
+}
+
+// s [T, H] fp32 -> s' [T, H] fp32, the compressed MoE (SPEC §3):
+//   f = bf16(rms(s) * pre_gain);  route f (fp32 router, above);
+//   u = bf16(rms(bf16(f Wpre^T)) * expert_in_gain)                    pooler + pre-expert norm
+//   y_e = bf16 SwiGLU expert e at width Hm (rounded like ffn_dense)
+//   m = sum over the chosen e, in increasing id: rms(y_e * expert_out_gain) * weight_e  (fp32)
+//   b = bf16(bf16(m) Wpost^T);  s' = alpha * s + beta * rms(b * post_gain).
+// `eps` is rms_norm_eps (pre-norm, pre-expert norm), `post_eps` post_norm_eps (per-expert
+// post-norm and the block's post-norm).
+Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor& router, const Tensor& bias,
+               int64_t top_k, double output_multiplier, double routed_scaling, const Tensor& w_pre,
+               const Tensor& expert_in_gain, const Tensor& gate_up, const Tensor& down, const Tensor& expert_out_gain,
+               const Tensor& w_post, const Tensor& post_gain, double post_eps, const Tensor& alpha,
+               const Tensor& beta) {
+  check_stream(s, "ffn_moe");
+  const int64_t T = s.size(0), H = s.size(1), E = router.size(0), Hm = w_pre.size(0);
+  TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous() &&
+                  router.size(1) == H,
+              "ffn_moe: router must be a contiguous float32 [E, ", H, "]");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "ffn_moe: top_k must be in [1, E]");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.scalar_type() == at::kBFloat16 &&
+                  down.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() && down.is_contiguous(),
+              "ffn_moe: gate_up and down must be contiguous bfloat16 [E, 2I, Hm] and [E, Hm, I]");
+  const int64_t I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(0) == E && gate_up.size(2) == Hm && down.size(0) == E && down.size(1) == Hm &&
+                  down.size(2) == I && Hm % 8 == 0 && I % 8 == 0,
+              "ffn_moe: expert shapes disagree with the router and pooler (or Hm, I not multiples of 8)");
+  check_vector(pre_gain, H, "ffn_moe: pre_gain");
+  check_vector(bias, E, "ffn_moe: bias");
+  check_weight(w_pre, Hm, H, "ffn_moe: pre_expert_proj");
+  check_vector(expert_in_gain, Hm, "ffn_moe: expert_in_gain");
+  check_vector(expert_out_gain, Hm, "ffn_moe: expert_out_gain");
+  check_weight(w_post, H, Hm, "ffn_moe: post_expert_proj");
+  check_vector(post_gain, H, "ffn_moe: post_gain");
+  check_residual(s, alpha, beta);
+  const float e = static_cast<float>(eps), pe = static_cast<float>(post_eps);
+  std::vector<float> f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), e);
+
+  // Router logits and the pooler in one region.
+  std::vector<float> logits(T * E), u(T * Hm);
+  run_jobs({job(f.data(), T, H, router, logits.data(), E), job(f.data(), T, H, w_pre, u.data(), Hm)});
+  const int64_t A = T * top_k;  // assignments, (t, j) order, j in increasing expert id
+  std::vector<int64_t> ids(A);
+  std::vector<float> weights(A);
+  const float* in_gain = expert_in_gain.data_ptr<float>();
+  for_rows(T, E + Hm, [&](int64_t t, float* tmp) {
+    route_row(logits.data() + t * E, bias.data_ptr<float>(), E, top_k, static_cast<float>(output_multiplier),
+              static_cast<float>(routed_scaling), tmp, ids.data() + t * top_k, weights.data() + t * top_k);
+    float* ur = u.data() + t * Hm;
+    round_all(ur, Hm);
+    rms_row(ur, Hm, in_gain, e, false, 1.f, tmp + E, ur);
+    round_all(ur, Hm);
+  });
+
+  // Group the assignments by expert (counting sort, stable) so each expert's weights are read once.
+  std::vector<int64_t> start(E + 1, 0), order(A);
+  for (int64_t a = 0; a < A; ++a) ++start[ids[a] + 1];
+  for (int64_t x = 0; x < E; ++x) start[x + 1] += start[x];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t a = 0; a < A; ++a) order[fill[ids[a]]++] = a;
+  }
+  std::vector<float> xs(A * Hm), gu(A * 2 * I), act(A * I), ys(A * Hm);
+  for (int64_t r = 0; r < A; ++r) std::copy_n(u.data() + (order[r] / top_k) * Hm, Hm, xs.data() + r * Hm);
+  const auto* gup = gate_up.data_ptr<at::BFloat16>();
+  const auto* dnp = down.data_ptr<at::BFloat16>();
+  std::vector<Job> up_jobs, down_jobs;
+  for (int64_t x = 0; x < E; ++x) {
+    const int64_t r0 = start[x], n = start[x + 1] - r0;
+    if (n == 0) continue;
+    up_jobs.push_back(Job{xs.data() + r0 * Hm, n, Hm, gup + x * 2 * I * Hm, true, 2 * I, gu.data() + r0 * 2 * I, 2 * I});
+    down_jobs.push_back(Job{act.data() + r0 * I, n, I, dnp + x * Hm * I, true, Hm, ys.data() + r0 * Hm, Hm});
+  }
+  run_jobs(up_jobs);
+  round_all(gu.data(), A * 2 * I);
+  swiglu(gu.data(), A, I, act.data());
+  run_jobs(down_jobs);
+  round_all(ys.data(), A * Hm);
+  std::vector<int64_t> row_of(A);  // assignment -> its row in ys
+  for (int64_t r = 0; r < A; ++r) row_of[order[r]] = r;
+
+  // Per-expert post-norm, weight, ordered sum; then the unpooler.
+  std::vector<float> m(T * Hm), b(T * H);
+  const float* out_gain = expert_out_gain.data_ptr<float>();
+  for_rows(T, 2 * Hm, [&](int64_t t, float* tmp) {
+    float* mr = m.data() + t * Hm;
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t a = t * top_k + j;
+      rms_row(ys.data() + row_of[a] * Hm, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm);
+      for (int64_t i = 0; i < Hm; ++i) {
+        const float z = tmp[Hm + i] * weights[a];
+        mr[i] = j == 0 ? z : mr[i] + z;
+      }
+    }
+    round_all(mr, Hm);
+  });
+  run_jobs({job(m.data(), T, Hm, w_post, b.data(), H)});
+  round_all(b.data(), T * H);
+  return residual(s, b.data(), post_gain.data_ptr<float>(), pe, alpha, beta);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
+  m.def("ffn_dense(Tensor s, Tensor pre_gain, float eps, Tensor w_gate, Tensor w_up, Tensor w_down, "
+        "Tensor post_gain, float post_eps, Tensor alpha, Tensor beta) -> Tensor");
+  m.def("ffn_moe(Tensor s, Tensor pre_gain, float eps, Tensor router, Tensor bias, int top_k, "
+        "float output_multiplier, float routed_scaling, Tensor w_pre, Tensor expert_in_gain, Tensor gate_up, "
+        "Tensor down, Tensor expert_out_gain, Tensor w_post, Tensor post_gain, float post_eps, Tensor alpha, "
+        "Tensor beta) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
+  m.impl("ffn_dense", &ffn_dense);
+  m.impl("ffn_moe", &ffn_moe);
+}
