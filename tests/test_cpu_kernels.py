@@ -157,7 +157,8 @@ def test_fused_layers_match_the_module_path(T):
 
 @needs_ops
 def test_fused_model_matches_the_module_path(monkeypatch):
-    model = _random_model(seed=11, num_hidden_layers=5, mlp_layer_types=("dense", "sparse", "sparse", "sparse", "sparse"))
+    model = _random_model(seed=11, num_hidden_layers=5,
+                          mlp_layer_types=("dense", "sparse", "sparse", "sparse", "sparse"))
     ids = list(range(3, 60))
     with torch.inference_mode():
         fused = model.prompt_logits(ids)

@@ -61,7 +61,7 @@ inline void round_all(float* p, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = round_bf16(p[i]);
 }
 
-// Row-parallel loop with H floats of per-task scratch.
+// Row-parallel loop: f(t, tmp) for every row t, tmp holding `scratch` floats per task.
 template <typename F>
 void for_rows(int64_t T, int64_t scratch, const F& f) {
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
@@ -83,7 +83,7 @@ inline std::vector<float> pre_norm(const float* s, int64_t T, int64_t H, const f
 // The stream update shared by both halves of a layer: s' = alpha * s + beta * norm(b),
 // norm weightless (gain null) or input-scaled by gain. b [T, H] holds bf16 values.
 inline Tensor residual(const Tensor& s, const float* b, const float* gain, float eps, const Tensor& alpha,
-                const Tensor& beta) {
+                       const Tensor& beta) {
   const int64_t T = s.size(0), H = s.size(1);
   Tensor out = s.clone();
   float* op = out.data_ptr<float>();

@@ -65,7 +65,8 @@ inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, i
 
 // Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x. With one row of
 // x the weight rows go one at a time (one sequential stream: measured 5-15% more
-// bandwidth than four interleaved rows); with more, 4x2 tiles reuse each loaded weight.
+// bandwidth than four interleaved rows); with more, 4x3 tiles reuse each loaded weight
+// (4x3 vs 4x2: 104-126 vs 86-91 GFLOP/s at M = 64 and 512, benchmarks/RESULTS.md).
 template <typename W>
 inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, float* y,
                         int64_t ldy) {
@@ -77,8 +78,12 @@ inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_
     constexpr int NR = decltype(nr)::value;
     const int64_t ahead = kPrefetchRows * K * static_cast<int64_t>(sizeof(W));
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) tile<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
-    if (m < M) tile<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
+    for (; m + 3 <= M; m += 3) tile<W, NR, 3>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
+    if (m + 2 <= M) {
+      tile<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
+    } else if (m < M) {
+      tile<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
+    }
   };
   if (n0 + kNR <= N) {
     rows(std::integral_constant<int, kNR>{}, w + n0 * K, y + n0);

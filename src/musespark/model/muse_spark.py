@@ -163,7 +163,10 @@ class MuseSparkForCausalLM(nn.Module):
         rope: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin shared by layers of one base
         ops = self._fused_ops(s)
         for layer in self.layers:
-            s = layer(s, positions, ctx, rope, dtype) if ops is None else layer.forward_fused(ops, s, positions, ctx, rope)
+            if ops is None:
+                s = layer(s, positions, ctx, rope, dtype)
+            else:
+                s = layer.forward_fused(ops, s, positions, ctx, rope)
         return self.norm(s, out_dtype=dtype)
 
     def _fused_ops(self, s: torch.Tensor) -> Any:
