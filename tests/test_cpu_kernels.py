@@ -128,6 +128,12 @@ def _random_model(seed: int, **overrides):
     return model.to(torch.bfloat16).eval()
 
 
+def _backends(model):
+    from musespark.backends import select_backend
+
+    return select_backend("torch", model), select_backend("cpu", model)
+
+
 @needs_ops
 @pytest.mark.parametrize("T", [1, 7])
 def test_fused_layers_match_the_module_path(T):
@@ -138,6 +144,7 @@ def test_fused_layers_match_the_module_path(T):
     from musespark.layers.attention import AttentionContext
 
     model = _random_model(seed=T)
+    reference, native = _backends(model)
     g = torch.Generator().manual_seed(T)
     s = torch.randn(T, model.config.hidden_size, generator=g) * 3
     positions = torch.arange(T)
@@ -145,8 +152,8 @@ def test_fused_layers_match_the_module_path(T):
     with torch.inference_mode():
         for layer in model.layers:
             ctx = AttentionContext.for_prompts([T])
-            want = layer(s, positions, ctx, {}, torch.bfloat16)
-            got = layer.forward_fused(ops, s, positions, AttentionContext.for_prompts([T]), {})
+            want = layer(s, positions, ctx, {}, reference, torch.bfloat16)
+            got = layer(s, positions, AttentionContext.for_prompts([T]), {}, native, torch.bfloat16)
             assert got.dtype == torch.float32 and got.shape == want.shape
             err = (got - want).abs()
             assert err.max() <= 2e-2 * want.abs().max(), f"layer {layer.self_attn.layer}"
@@ -156,13 +163,15 @@ def test_fused_layers_match_the_module_path(T):
 
 
 @needs_ops
-def test_fused_model_matches_the_module_path(monkeypatch):
+def test_fused_model_matches_the_module_path():
     model = _random_model(seed=11, num_hidden_layers=5,
                           mlp_layer_types=("dense", "sparse", "sparse", "sparse", "sparse"))
+    reference, native = _backends(model)
     ids = list(range(3, 60))
     with torch.inference_mode():
+        model.backend = native
         fused = model.prompt_logits(ids)
-        monkeypatch.setattr(model, "_fused_ops", lambda s: None)
+        model.backend = reference
         plain = model.prompt_logits(ids)
     assert (fused - plain).abs().max() <= 3e-2 * plain.abs().max()
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
@@ -194,6 +203,13 @@ def test_model_runs_without_the_kernels(tmp_path):
         "    num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_hidden_size=16,\n"
         "    moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, mlp_layer_types=('dense', 'sparse'))\n"
         "m = MuseSparkForCausalLM(cfg); init_random_weights(m); m = m.to(torch.bfloat16).eval()\n"
+        "from musespark.backends import TorchBackend, select_backend\n"
+        "assert isinstance(select_backend('auto', m), TorchBackend)\n"
+        "try:\n"
+        "    select_backend('cpu', m)\n"
+        "    raise SystemExit('backend=cpu must fail without the kernels')\n"
+        "except ValueError as exc:\n"
+        "    assert 'MUSESPARK_CPU_KERNELS=0' in str(exc), exc\n"
         "print(m.greedy_continuation([3, 4, 5], 4))\n"
     )
     env = dict(os.environ, MUSESPARK_CPU_KERNELS="0")

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from .names import EMBED, LM_HEAD, expected_shapes, keeps_fp32, to_relative
+from .names import EMBED, LM_HEAD, TensorSpec, dense_specs, to_relative
 from .safetensors_file import SafetensorsFile
 
 CONFIG_FILE = "config.json"
@@ -90,15 +90,19 @@ def read_state_dict(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    specs: dict[str, TensorSpec] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every text tensor of the checkpoint at `path`, by relative name, in its final dtype.
-
-    Residual gates, the router weight and the expert bias stay float32 in any dtype.
-    Tied embeddings share one tensor. `progress(done, total)` is called after each tensor.
+    """Every tensor `specs` names (default: the dense decoder of `cfg`, `dense_specs`),
+    read from the checkpoint at `path`, by relative name, in its final dtype: a spec's
+    fixed dtype, else `dtype`. (The model's weight formats say what to read: see
+    `model.load.load_model`.) Residual gates, the router weight and the expert bias stay
+    float32 in any dtype. Tied embeddings share one tensor. `progress(done, total)` is
+    called after each tensor.
     """
     path = Path(path)
     files = find_weight_files(path)
-    shapes = expected_shapes(cfg)
+    specs = dense_specs(cfg) if specs is None else specs
+    shapes = {name: spec.shape for name, spec in specs.items()}
     loaded: dict[str, torch.Tensor] = {}
     where: dict[str, Path] = {}
     for file in files:
@@ -115,10 +119,12 @@ def read_state_dict(
                 if entry.shape != shapes[name]:
                     raise ValueError(f"{file}: tensor {disk_name!r} has shape {list(entry.shape)}, "
                                      f"expected {list(shapes[name])}")
-                if not entry.dtype.is_floating_point:
+                fixed = specs[name].dtype
+                if fixed is not None and not fixed.is_floating_point and entry.dtype != fixed:
+                    raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected {fixed}")
+                if fixed is None and not entry.dtype.is_floating_point:
                     raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected a float type")
-                target = torch.float32 if keeps_fp32(name) else dtype
-                loaded[name] = st.read(disk_name, target).to(device)
+                loaded[name] = st.read(disk_name, fixed or dtype).to(device)
                 where[name] = file
                 if progress is not None:
                     progress(len(loaded), len(shapes))

@@ -7,6 +7,10 @@ with "model.language_model.", flat ones with "model.".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from ..config import ModelConfig
 
 NESTED_PREFIX = "model.language_model."
@@ -35,6 +39,22 @@ FP32_SUFFIXES = (
 
 def keeps_fp32(name: str) -> bool:
     return name.endswith(FP32_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor a module needs: its shape and, when fixed by the format
+    (packed uint8 codes, fp8 scales, fp32 gates), its dtype. `dtype=None` means a float
+    tensor of any float dtype on disk, converted to the model dtype when read."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+
+
+def dense_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """`expected_shapes` as specs: fp32 where `keeps_fp32`, else the model dtype."""
+    return {name: TensorSpec(shape, torch.float32 if keeps_fp32(name) else None)
+            for name, shape in expected_shapes(cfg).items()}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -6,13 +6,12 @@ the cached library in well under a second. `python -m musespark.kernels` builds 
 ahead of time (the Makefile does). Set `MUSESPARK_CPU_KERNELS=0` to disable them.
 
 Nothing here is required: on a machine without AVX2/FMA, without a compiler, or when
-the build fails (a warning says why), `native_ops()` returns None and callers use
-plain PyTorch.
+the build fails (a warning says why), `native_ops()` returns None and the engine picks
+the torch backend. Only `backends/cpu_backend.py` calls these ops.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -25,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..cpu_features import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h")]
@@ -33,34 +34,20 @@ _SOURCES = [Path(__file__).with_name(n)
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
+_reason = ""  # why `native_ops()` returned None
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def has_native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it,
-    PyTorch's bf16 GEMMs convert element by element and are several times slower than fp32."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def is_x86_without_native_bf16() -> bool:
-    return platform.machine() in ("x86_64", "AMD64") and not has_native_bf16()
-
-
-def kernels_enabled() -> bool:
+def _disabled_because() -> str:
     if os.environ.get("MUSESPARK_CPU_KERNELS", "1") == "0":
-        return False
-    return platform.system() == "Linux" and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags()
+        return "MUSESPARK_CPU_KERNELS=0"
+    if not (platform.system() == "Linux" and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags()):
+        return "they need Linux on an x86-64 CPU with AVX2 and FMA"
+    return ""
+
+
+def unavailable_reason() -> str:
+    """Why the kernels are unavailable ("" when they are loaded or not tried yet)."""
+    return _reason
 
 
 def cache_dir() -> Path:
@@ -84,16 +71,18 @@ def native_ops() -> Any:
 
 
 def _build() -> Any:
-    global _ops, _tried
+    global _ops, _tried, _reason
     with _LOCK:
         if _tried:
             return _ops
+        _reason = _disabled_because()
         try:
-            if kernels_enabled():
+            if not _reason:
                 _ops = _compile()
         except Exception as exc:  # a missing compiler or ninja, a build error: fall back, loudly
-            warnings.warn(f"musespark: CPU kernels unavailable, using plain PyTorch ({type(exc).__name__}: "
-                          f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc})", RuntimeWarning,
+            _reason = (f"the build failed: {type(exc).__name__}: "
+                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}")
+            warnings.warn(f"musespark: CPU kernels unavailable, using plain PyTorch ({_reason})", RuntimeWarning,
                           stacklevel=3)
             _ops = None
         _tried = True

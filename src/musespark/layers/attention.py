@@ -14,16 +14,20 @@ sequence's keys and values live:
 
 Masking is by position: a query at position p sees keys at positions <= p, and on a
 sliding layer only those > p - window.
+
+`paged_attention` is the torch reference. A backend may hand it a `DecodeKernel` for the
+rows that have one query each (decode rows); every such row then goes through that kernel,
+in pure-decode and mixed batches alike, so a sequence's result does not depend on what
+else is in the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
-from ..kernels import cpu
 
 
 @dataclass
@@ -92,6 +96,14 @@ def _attend(
     return out[0].transpose(0, 1)  # [n, nH, D]
 
 
+class DecodeKernel(Protocol):
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+        """One query per sequence: q [B, nH, D] fp32, caches [num_blocks, block_size, nKV, D],
+        block_tables [B, max_blocks] int64, seq_lens [B] int64 (keys per sequence, the query's
+        own included), window 0 = none -> [B, nH, D] fp32."""
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, nH, D]
     k: torch.Tensor,  # [T, nKV, D]
@@ -101,8 +113,11 @@ def paged_attention(
     layer: int,
     scale: float,
     window: int | None,
+    decode: DecodeKernel | None = None,
 ) -> torch.Tensor:
-    """Causal (optionally sliding-window) attention for every sequence of the batch -> [T, nH, D]."""
+    """Causal (optionally sliding-window) attention for every sequence of the batch -> [T, nH, D].
+    With a paged cache, the new K/V are written first; `decode` (if given) computes the
+    single-query rows."""
     out = torch.empty_like(q)
     qsl = ctx.query_start_loc
     if ctx.kv_caches is None:
@@ -123,25 +138,20 @@ def paged_attention(
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
     k_flat.index_copy_(0, group.slot_mapping, k.to(k_flat.dtype))
     v_flat.index_copy_(0, group.slot_mapping, v.to(v_flat.dtype))
-    ops = cpu.native_ops() if q.device.type == "cpu" and q.shape[-1] % 8 == 0 else None
-    if ops is None or k_cache.dtype not in (torch.bfloat16, torch.float32):
-        ops = None
     if q.shape[0] == ctx.num_seqs:  # pure decode: one query per sequence, one batched call
-        if ops is not None:
-            out = ops.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, group.block_tables,
-                                             ctx.seq_lens_tensor(q.device), window or 0, scale)
+        if decode is not None:
+            out = decode(q.float().contiguous(), k_cache, v_cache, group.block_tables,
+                         ctx.seq_lens_tensor(q.device), window or 0, scale)
             return out.to(q.dtype)
         return _decode_attention(q, k_flat, v_flat, positions, ctx.seq_lens, group.block_tables, block_size,
                                  scale, window)
-    single = [b for b in range(ctx.num_seqs) if qsl[b + 1] - qsl[b] == 1] if ops is not None else []
+    single = [b for b in range(ctx.num_seqs) if qsl[b + 1] - qsl[b] == 1] if decode is not None else []
     if single:
-        # Decode rows of a mixed batch take the same kernel as a pure-decode batch, so a
-        # sequence's tokens do not depend on what else is in the batch.
         rows = torch.tensor([qsl[b] for b in single], device=q.device)
         seqs = torch.tensor(single, device=q.device)
-        got = ops.paged_decode_attention(q[rows].float().contiguous(), k_cache, v_cache,
-                                         group.block_tables.index_select(0, seqs).contiguous(),
-                                         ctx.seq_lens_tensor(q.device).index_select(0, seqs), window or 0, scale)
+        got = decode(q[rows].float().contiguous(), k_cache, v_cache,
+                     group.block_tables.index_select(0, seqs).contiguous(),
+                     ctx.seq_lens_tensor(q.device).index_select(0, seqs), window or 0, scale)
         out[rows] = got.to(q.dtype)
     for b in range(ctx.num_seqs):
         s, e = qsl[b], qsl[b + 1]

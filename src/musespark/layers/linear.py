@@ -1,54 +1,55 @@
-"""`linear(x, w) = x @ w^T` in x's dtype, by the fastest exact route for the shape.
+"""`linear(x, w) = x @ w^T`: the torch reference product, and the `Linear` module that
+holds a weight format (`quant/`).
 
-On CPUs (see `kernels/cpu.py` for why):
-* bf16: the native kernel, for every number of rows. It reads each weight once per
-  4-row tile, widens bf16 to fp32 in registers and computes every output row the same
-  way whatever the batch, so a request's tokens never depend on what it is batched with
-  (the server gives the offline text). PyTorch's bf16 GEMM on CPUs without AVX512-BF16/AMX
-  is several times slower;
-* bf16 without the kernels, on such a CPU, with many rows: the weight is widened to fp32
-  once per call and MKL's fp32 GEMM runs (about 7x faster than the bf16 GEMM for a
-  2048-token prefill);
-* otherwise `F.linear` (fp32 models: MKL, as in transformers).
-All routes accumulate in fp32 and round the result once to x's dtype, as `F.linear` does.
+`linear` accumulates in fp32 and rounds once to x's dtype, as `F.linear` does. One route
+choice, by shape and CPU only: a bf16 product with many rows on an x86 CPU without bf16
+hardware (no AVX512-BF16/AMX) widens the weight to fp32 and runs MKL's fp32 GEMM, about 7x
+faster there than PyTorch's bf16 GEMM for a 2048-token prefill. The native kernels are
+the cpu backend's business (`backends/cpu_backend.py`), never chosen here.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu
+from ..checkpoint.names import TensorSpec
+from ..cpu_features import is_x86_without_native_bf16
 
-# fp32 keeps MKL, the library transformers uses: the kernel is as accurate (closer to an
-# fp64 reference than MKL on the oracle configs, RESULTS.md) but rounds differently, and
-# on random MoE configs that moves fp32 logits by up to 1e-4 relative, over the 1e-5 the
-# engine allows an optimization.
-NATIVE_DTYPES = (torch.bfloat16,)
+if TYPE_CHECKING:
+    from ..quant.format import LinearFormat
+
+_WIDEN_MIN_ROWS = 64  # below this the bf16 GEMM's conversion cost is smaller than widening the weight
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] and w [N, K] of the same dtype -> [..., N] in x's dtype."""
-    if x.device.type != "cpu" or x.dtype != w.dtype or (torch.is_grad_enabled() and w.requires_grad):
-        return F.linear(x, w)
-    K = x.shape[-1]
-    M = x.numel() // K if K else 0
-    if x.dtype in NATIVE_DTYPES and M > 0 and K % 8 == 0:
-        ops = cpu.native_ops()
-        if ops is not None:
-            return ops.linear_small_m(x.reshape(M, K), w).view(*x.shape[:-1], w.shape[0])
-    if x.dtype == torch.bfloat16 and M > 64 and cpu.is_x86_without_native_bf16():
+    if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.numel() > _WIDEN_MIN_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and w.requires_grad)
+            and is_x86_without_native_bf16()):
         return F.linear(x.float(), w.float()).to(torch.bfloat16)
     return F.linear(x, w)
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` without bias that computes through `linear` (same parameter names)."""
+class Linear(nn.Module):
+    """A bias-free linear layer [out, in] whose tensors and product come from `fmt`
+    (dense: one `weight` [out, in], the checkpoint's name)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, fmt: "LinearFormat") -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.format = fmt
+        fmt.create_weights(self, out_features, in_features)
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """The checkpoint tensors this layer reads, by name relative to it."""
+        return self.format.tensors(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return self.format.apply(self, x)
 
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, format={type(self.format).__name__}"

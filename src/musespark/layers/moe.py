@@ -7,15 +7,19 @@ GEMM pair over all of them; no per-token Python loop.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.names import TensorSpec
 from ..config import ModelConfig
 from .linear import Linear, linear
-from .norm import ResidualGate, RMSNorm, input_scaled_rms_norm
+from .norm import RMSNorm, input_scaled_rms_norm
+
+if TYPE_CHECKING:
+    from ..quant.format import ExpertsFormat, WeightFormats
 
 ROUTER_EPS = 1e-15
 
@@ -53,15 +57,21 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts at width Hm, each followed by an input-scaled post-norm."""
+    """E SwiGLU experts at width Hm, each followed by an input-scaled post-norm. The expert
+    tensors and their product come from `fmt` (dense: `gate_up_proj` [E, 2*Im, Hm], gate rows
+    first, then up rows; `down_proj` [E, Hm, Im])."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fmt: "ExpertsFormat") -> None:
         super().__init__()
         E, Hm, Im = cfg.num_local_experts, cfg.moe_hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * Im, Hm))  # gate rows first, then up rows
-        self.down_proj = nn.Parameter(torch.zeros(E, Hm, Im))
+        self.format = fmt
+        fmt.create_weights(self, E, Im, Hm)
         self.post_expert_norm = RMSNorm(Hm, cfg.post_norm_eps, gain_center=1.0, input_scaled=True)
-        self.intermediate = Im
+        self.num_experts, self.intermediate, self.hidden = E, Im, Hm
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        """The checkpoint tensors of the experts (not the post-norm), by name relative to this module."""
+        return self.format.tensors(self.num_experts, self.intermediate, self.hidden)
 
     def forward(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """u [T, Hm] model dtype, weights/ids [T, k] -> weighted sum [T, Hm] fp32.
@@ -82,16 +92,14 @@ class Experts(nn.Module):
         T, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # [T*k] assignments grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         x = u[order // k]  # [T*k, Hm] expert inputs, grouped by expert
         ys = []
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
-            gate_up = linear(x[start:start + n], self.gate_up_proj[expert])  # [n, 2*Im]
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            ys.append(linear(F.silu(gate) * up, self.down_proj[expert]))  # [n, Hm]
+            ys.append(self.format.apply(self, expert, x[start:start + n]))  # [n, Hm]
             start += n
         norm = self.post_expert_norm
         y = input_scaled_rms_norm(torch.cat(ys), norm.eps, norm.weight, norm.gain_center, torch.float32)
@@ -104,13 +112,15 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """f [T, H] (model dtype) -> b [T, H] (model dtype)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, formats: "WeightFormats", prefix: str) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.pre_expert_proj = Linear(cfg.hidden_size, cfg.moe_hidden_size)  # pooler
+        self.pre_expert_proj = Linear(cfg.hidden_size, cfg.moe_hidden_size,
+                                      formats.linear(prefix + "pre_expert_proj"))  # pooler
         self.pre_expert_norm = RMSNorm(cfg.moe_hidden_size, cfg.rms_norm_eps, gain_center=1.0)
-        self.experts = Experts(cfg)
-        self.post_expert_proj = Linear(cfg.moe_hidden_size, cfg.hidden_size)  # unpooler
+        self.experts = Experts(cfg, formats.experts(prefix + "experts"))
+        self.post_expert_proj = Linear(cfg.moe_hidden_size, cfg.hidden_size,
+                                       formats.linear(prefix + "post_expert_proj"))  # unpooler
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(f)
@@ -118,36 +128,16 @@ class SparseMoeBlock(nn.Module):
         y = self.experts(u, weights, ids)  # [T, Hm] fp32
         return self.post_expert_proj(y.to(f.dtype))
 
-    def forward_fused(self, ops: Any, s: torch.Tensor, pre_norm: RMSNorm, post_norm: RMSNorm,
-                      gate: ResidualGate) -> torch.Tensor:
-        """The decoder layer's whole feed-forward half in one native call (bf16 weights on
-        the CPU, kernels/cpu_ffn_block.cpp `ffn_moe`): s [T, H] fp32 -> gate(s, post_norm(forward(pre_norm(s)))).
-
-        The op takes one eps for the pre-norm and pre-expert norm (both rms_norm_eps) and one
-        for the per-expert and block post-norms (both post_norm_eps)."""
-        router, experts = self.gate, self.experts
-        return ops.ffn_moe(s, pre_norm.gain(), pre_norm.eps, router.weight.float(),
-                           router.e_score_correction_bias.float(),
-                           router.top_k, router.output_multiplier, router.routed_scaling_factor,
-                           self.pre_expert_proj.weight, self.pre_expert_norm.gain(), experts.gate_up_proj,
-                           experts.down_proj, experts.post_expert_norm.gain(), self.post_expert_proj.weight,
-                           post_norm.gain(), post_norm.eps, *gate.coefficients_cached())
-
 
 class DenseMlp(nn.Module):
     """SwiGLU: down(silu(gate f) * up f)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, formats: "WeightFormats", prefix: str) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(H, I, formats.linear(prefix + "gate_proj"))
+        self.up_proj = Linear(H, I, formats.linear(prefix + "up_proj"))
+        self.down_proj = Linear(I, H, formats.linear(prefix + "down_proj"))
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(f)) * self.up_proj(f))
-
-    def forward_fused(self, ops: Any, s: torch.Tensor, pre_norm: RMSNorm, post_norm: RMSNorm,
-                      gate: ResidualGate) -> torch.Tensor:
-        """As `SparseMoeBlock.forward_fused`, through `ffn_dense`."""
-        return ops.ffn_dense(s, pre_norm.gain(), pre_norm.eps, self.gate_proj.weight, self.up_proj.weight,
-                             self.down_proj.weight, post_norm.gain(), post_norm.eps, *gate.coefficients_cached())

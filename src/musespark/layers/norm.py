@@ -11,27 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import cpu
-
-# bf16 models on the CPU run each norm as one native call (kernels/cpu_norm.cpp: the same
-# formula, one row at a time, so a row's result never depends on the batch); fp32 models
-# keep the PyTorch ops below, which define the reference rounding.
-
-
-def native_norm_ops(x: torch.Tensor, out_dtype: torch.dtype):
-    """The native ops when a norm of x to out_dtype should run natively, else None."""
-    if (x.device.type != "cpu" or torch.bfloat16 not in (x.dtype, out_dtype)
-            or x.dtype not in (torch.bfloat16, torch.float32) or out_dtype not in (torch.bfloat16, torch.float32)
-            or (torch.is_grad_enabled() and x.requires_grad)):
-        return None
-    return cpu.native_ops()
-
 
 def rms(x: torch.Tensor, eps: float, scale: float = 1.0) -> torch.Tensor:
     """Weightless RMS normalization over the last dim, times `scale`, in float32 (returns float32)."""
-    ops = native_norm_ops(x, torch.float32)
-    if ops is not None:
-        return ops.rms_norm(x.reshape(-1, x.shape[-1]), None, eps, False, scale, torch.float32).view(x.shape)
     x = x.float()
     y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     return y * scale if scale != 1.0 else y
@@ -77,7 +59,7 @@ class RMSNorm(nn.Module):
 
     @torch.no_grad()
     def materialize(self) -> None:
-        """Cache the fp32 gain (after loading; the weight must not change afterwards)."""
+        """Cache the fp32 gain for native kernels (after loading; the weight must not change afterwards)."""
         self._gain = (self.weight.float() + self.gain_center).contiguous()
 
     def _apply(self, fn, *args, **kwargs):
@@ -91,11 +73,6 @@ class RMSNorm(nn.Module):
         return self._gain
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        ops = None if self.training else native_norm_ops(x, out_dtype or x.dtype)
-        if ops is not None:
-            y = ops.rms_norm(x.reshape(-1, x.shape[-1]), self.gain(), self.eps, self.input_scaled, 1.0,
-                             out_dtype or x.dtype)
-            return y.view(x.shape)
         if self.input_scaled:
             return input_scaled_rms_norm(x, self.eps, self.weight, self.gain_center, out_dtype)
         return rms_norm(x, self.eps, self.weight, self.gain_center, out_dtype)

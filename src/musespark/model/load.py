@@ -1,4 +1,4 @@
-"""`load_model`: a checkpoint directory -> a ready `MuseSparkForCausalLM`."""
+"""`load_model`: a checkpoint directory -> a ready `MuseSparkForCausalLM` with its backend."""
 
 from __future__ import annotations
 
@@ -6,9 +6,33 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
+from ..backends import Backend, select_backend
 from ..checkpoint.loader import load_config, read_state_dict, resolve_dtype
+from ..checkpoint.names import TensorSpec, keeps_fp32
+from ..quant import WeightFormats
 from .muse_spark import MuseSparkForCausalLM
+
+
+def checkpoint_tensors(model: nn.Module) -> dict[str, TensorSpec]:
+    """What a checkpoint for `model` must hold, by relative name: each weight format's
+    tensors under its module, and every other parameter or persistent buffer (norms, gates,
+    router, embedding) as a float tensor of its shape (fp32 where `keeps_fp32`)."""
+    specs: dict[str, TensorSpec] = {}
+    for prefix, module in model.named_modules():
+        dot = prefix + "." if prefix else ""
+        owned = set()
+        if hasattr(module, "tensor_specs"):  # a Linear or the Experts: their format knows their tensors
+            for name, spec in module.tensor_specs().items():
+                specs[dot + name] = spec
+                owned.add(name)
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, t in tensors:
+            if name in owned or name in module._non_persistent_buffers_set or t is None:
+                continue
+            specs[dot + name] = TensorSpec(tuple(t.shape), torch.float32 if keeps_fp32(dot + name) else None)
+    return specs
 
 
 def load_model(
@@ -16,20 +40,25 @@ def load_model(
     dtype: str | torch.dtype | None = "bfloat16",
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    backend: str | Backend = "auto",
+    formats: WeightFormats | None = None,
 ) -> MuseSparkForCausalLM:
     """Load a released-format checkpoint directory; the model comes back in eval mode.
 
     `dtype`: "bfloat16" (default), "float16", "float32", a torch dtype, or "auto" (the
-    checkpoint's declared dtype). The model is built on the meta device and each tensor
-    is read straight into its final place, so no second copy of the weights is made.
+    checkpoint's declared dtype). `backend`: "auto" (default), "torch" or "cpu" (see
+    `musespark.backends`). The model is built on the meta device, its weight formats say
+    which tensors to read, and each tensor is read straight into its final place, so no
+    second copy of the weights is made.
     """
     cfg = load_config(path)
     torch_dtype = resolve_dtype(dtype, cfg)
-    state = read_state_dict(path, cfg, torch_dtype, device, progress)
     with torch.device("meta"):
-        model = MuseSparkForCausalLM(cfg)
+        model = MuseSparkForCausalLM(cfg, formats)
+    state = read_state_dict(path, cfg, torch_dtype, device, progress, specs=checkpoint_tensors(model))
     model.load_state_dict(state, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)
     model.materialize_constants()
+    model.backend = select_backend(backend, model)
     return model.eval()

@@ -5,37 +5,46 @@ Module names follow the checkpoint's tensor names, so loading is mechanical:
 
 The residual stream `s` is float32 from the embedding norm to the final norm, whatever
 the model dtype; weights and matmuls run in the model dtype; logits are float32.
+
+Modules hold weights (each linear and the experts through a weight format, `quant/`);
+the model's compute backend (`backends/`, chosen once by `load_model`) computes each step.
+`DecoderLayer.forward` is the one forward path of a layer, whatever the backend.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends import Backend, TorchBackend
 from ..config import ModelConfig
-from ..kernels import cpu
-from ..layers.attention import AttentionContext, paged_attention
-from ..layers.linear import Linear, linear
+from ..layers.attention import AttentionContext
+from ..layers.linear import Linear
 from ..layers.moe import DenseMlp, SparseMoeBlock
-from ..layers.norm import ResidualGate, RMSNorm, rms
-from ..layers.rotary import cos_sin, inv_frequencies, norm_rope
+from ..layers.norm import ResidualGate, RMSNorm
+from ..layers.rotary import cos_sin, inv_frequencies
+from ..quant import WeightFormats
+
+Rope = dict[float, tuple[torch.Tensor, torch.Tensor]]  # rotary base -> (cos, sin) [T, D], shared within a step
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    """The attention's weights and constants; the backend computes it (`Backend.attn_in`,
+    `attention`, `attn_out`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats, prefix: str) -> None:
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.q_proj = Linear(H, self.num_heads * D)
-        self.k_proj = Linear(H, self.num_kv_heads * D)
-        self.v_proj = Linear(H, self.num_kv_heads * D)
-        self.gate_proj = Linear(H, self.num_heads * D)  # the output gate
-        self.o_proj = Linear(self.num_heads * D, H)
+        self.q_proj = Linear(H, self.num_heads * D, formats.linear(prefix + "q_proj"))
+        self.k_proj = Linear(H, self.num_kv_heads * D, formats.linear(prefix + "k_proj"))
+        self.v_proj = Linear(H, self.num_kv_heads * D, formats.linear(prefix + "v_proj"))
+        self.gate_proj = Linear(H, self.num_heads * D, formats.linear(prefix + "gate_proj"))  # the output gate
+        self.o_proj = Linear(self.num_heads * D, H, formats.linear(prefix + "o_proj"))
         self.eps = cfg.rms_norm_eps
         # Queries are multiplied by qk_scale_factor after the weightless QK-norm (in fp32);
         # equal to folding it into the softmax scale, and closer to the reference's rounding.
@@ -47,8 +56,7 @@ class Attention(nn.Module):
         # Filled by `materialize_constants` (not here: building on the meta device stays cheap).
         self.register_buffer("inv_freq", None, persistent=False)
 
-    def rotary(self, positions: torch.Tensor,
-               rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rotary(self, positions: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(cos, sin) [T, D] fp32 of this layer's base, shared through `rope` by layers of
         the same base; None on NoPE layers."""
         if self.rope_theta is None:
@@ -59,59 +67,29 @@ class Attention(nn.Module):
             rope[self.rope_theta] = cos_sin(positions, self.inv_freq)
         return rope[self.rope_theta]
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """h [T, H] (model dtype) -> a [T, H] (model dtype)."""
-        T, dtype, D = h.shape[0], h.dtype, self.head_dim
-        rotary = self.rotary(positions, rope)
-        # Weightless QK-norm (queries times qk_scale), then rotary, in fp32; rounded to the model dtype.
-        q = norm_rope(self.q_proj(h).view(T, self.num_heads, D), self.eps, self.qk_scale, rotary, dtype)
-        k = norm_rope(self.k_proj(h).view(T, self.num_kv_heads, D), self.eps, 1.0, rotary, dtype)
-        v = self.v_proj(h).view(T, self.num_kv_heads, D)
-        o = paged_attention(q, k, v, positions, ctx, self.layer, self.scale, self.window)
-        g = self.gate_proj(h).view(T, self.num_heads, D)
-        o = (rms(o, self.eps) * torch.sigmoid(g.float())).to(dtype)  # O-norm, then sigmoid gate
-        return self.o_proj(o.reshape(T, self.num_heads * D))
-
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats) -> None:
         super().__init__()
-        H = cfg.hidden_size
+        H, prefix = cfg.hidden_size, f"layers.{layer}."
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, gain_center=1.0)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, formats, prefix + "self_attn.")
         self.post_attention_residual_gate = ResidualGate(H, cfg.residual_gate_temperature)
         self.pre_feedforward_layernorm = RMSNorm(H, cfg.rms_norm_eps, gain_center=1.0)
-        self.mlp = SparseMoeBlock(cfg) if cfg.is_sparse(layer) else DenseMlp(cfg)
+        self.is_sparse = cfg.is_sparse(layer)
+        mlp = SparseMoeBlock if self.is_sparse else DenseMlp
+        self.mlp = mlp(cfg, formats, prefix + "mlp.")
         self.post_feedforward_layernorm = RMSNorm(H, cfg.post_norm_eps, gain_center=1.0, input_scaled=True)
         self.post_feedforward_residual_gate = ResidualGate(H, cfg.residual_gate_temperature)
         self.post_norm_eps = cfg.post_norm_eps
 
-    def forward(self, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                rope: dict[float, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
-        """s [T, H] fp32 stream -> new stream [T, H] fp32."""
-        h = self.input_layernorm(s, out_dtype=dtype)
-        a = self.self_attn(h, positions, ctx, rope)
-        s = self.post_attention_residual_gate(s, rms(a, self.post_norm_eps))  # weightless post-norm
-        f = self.pre_feedforward_layernorm(s, out_dtype=dtype)
-        b = self.mlp(f)
-        return self.post_feedforward_residual_gate(s, self.post_feedforward_layernorm(b, out_dtype=torch.float32))
-
-    def forward_fused(self, ops: Any, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                      rope: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """`forward` for bf16 weights on the CPU through the native fused blocks (kernels/
-        cpu_attn_block.cpp, cpu_ffn_block.cpp: the same formulas and bf16 roundings), four
-        calls plus the attention: s [T, H] fp32 -> new stream [T, H] fp32."""
-        attn, norm = self.self_attn, self.input_layernorm
-        cos, sin = attn.rotary(positions, rope) or (None, None)
-        q, k, v, g = ops.attn_in(s, norm.gain(), norm.eps, attn.q_proj.weight, attn.k_proj.weight,
-                                 attn.v_proj.weight, attn.gate_proj.weight, attn.num_heads, attn.num_kv_heads,
-                                 attn.qk_scale, cos, sin)
-        o = paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window)
-        gate = self.post_attention_residual_gate.coefficients_cached()
-        s = ops.attn_out(s, o.contiguous(), g, attn.o_proj.weight, attn.eps, *gate, self.post_norm_eps)
-        return self.mlp.forward_fused(ops, s, self.pre_feedforward_layernorm, self.post_feedforward_layernorm,
-                                      self.post_feedforward_residual_gate)
+    def forward(self, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, rope: Rope,
+                backend: Backend, dtype: torch.dtype) -> torch.Tensor:
+        """s [T, H] fp32 stream -> new stream [T, H] fp32; `dtype` is the activation dtype."""
+        q, k, v, g = backend.attn_in(self, s, self.self_attn.rotary(positions, rope), dtype)
+        o = backend.attention(self.self_attn, q, k, v, positions, ctx)
+        s = backend.attn_out(self, s, o, g)
+        return backend.moe_ffn(self, s, dtype) if self.is_sparse else backend.dense_ffn(self, s, dtype)
 
 
 class Embedding(nn.Module):
@@ -127,15 +105,22 @@ class Embedding(nn.Module):
 
 
 class MuseSparkForCausalLM(nn.Module):
-    """The text decoder. `forward` takes a flat batch and returns final hidden states."""
+    """The text decoder. `forward` takes a flat batch and returns final hidden states.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    `backend` computes every step (default: the torch reference; `load_model` chooses one,
+    and it may be replaced at any time: `model.backend = select_backend("torch", model)`).
+    `formats` gives each linear and the experts their weight format (default: dense).
+    """
+
+    def __init__(self, cfg: ModelConfig, formats: WeightFormats | None = None, backend: Backend | None = None) -> None:
         super().__init__()
+        formats = formats or WeightFormats()
         self.config = cfg
+        self.backend: Backend = backend or TorchBackend()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, formats) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gain_center=0.0)  # plain weight
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, formats.linear("lm_head"))
         if cfg.tie_word_embeddings:  # a loaded checkpoint that has its own head replaces this
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -158,33 +143,25 @@ class MuseSparkForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states y [T, H] in the model dtype."""
-        dtype = self.dtype
-        s = rms(self.embed_tokens(input_ids), self.config.rms_norm_eps)  # fp32 stream
-        rope: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin shared by layers of one base
-        ops = self._fused_ops(s)
+        dtype, backend = self.dtype, self._active_backend()
+        s = backend.embed(self, input_ids)  # fp32 stream
+        rope: Rope = {}
         for layer in self.layers:
-            if ops is None:
-                s = layer(s, positions, ctx, rope, dtype)
-            else:
-                s = layer.forward_fused(ops, s, positions, ctx, rope)
-        return self.norm(s, out_dtype=dtype)
-
-    def _fused_ops(self, s: torch.Tensor) -> Any:
-        """The native ops when the fused decoder blocks apply (bf16 weights on an x86 CPU
-        with the kernels built, no autograd, widths that are multiples of 8), else None."""
-        cfg = self.config
-        if (self.dtype != torch.bfloat16 or s.device.type != "cpu" or self.training
-                or (torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad)
-                or any(n % 8 for n in (cfg.hidden_size, cfg.head_dim, cfg.moe_hidden_size,
-                                       cfg.moe_intermediate_size, cfg.intermediate_size))):
-            return None
-        return cpu.native_ops()
+            s = layer(s, positions, ctx, rope, backend, dtype)
+        return backend.final_norm(self, s, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """y [N, H] -> soft-capped logits [N, V] in fp32: T * tanh(y W^T * m / T)."""
-        cap = self.config.final_logit_softcapping
-        x = linear(hidden, self.lm_head.weight).float() * self.config.output_multiplier
-        return cap * torch.tanh(x / cap)
+        return self._active_backend().logits(self, hidden)
+
+    def _active_backend(self) -> Backend:
+        """`self.backend`, except the torch reference when this forward must be differentiable
+        (training mode, or gradients enabled on trainable weights) and the backend is not."""
+        if self.backend.supports_autograd:
+            return self.backend
+        if self.training or (torch.is_grad_enabled() and self.embed_tokens.weight.requires_grad):
+            return _REFERENCE
+        return self.backend
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -213,6 +190,9 @@ class MuseSparkForCausalLM(nn.Module):
             raise ValueError(
                 f"token_ids must lie in [0, {self.config.vocab_size}), got {int(ids[bad][0])}")
         return ids
+
+
+_REFERENCE = TorchBackend()
 
 
 @torch.no_grad()

@@ -1,0 +1,42 @@
+"""Compute backends, chosen once per model (`select_backend`) and handed to it.
+
+* `torch` — the reference formulas in plain PyTorch; every dtype and device.
+* `cpu`   — the native kernels (`kernels/`) on x86-64 CPUs with AVX2 and FMA.
+* `auto`  — `cpu` for a model on the CPU when the kernels are available (they are not
+  under `MUSESPARK_CPU_KERNELS=0`, without a compiler, or on other CPUs), else `torch`.
+
+A new device or kernel family is one more `Backend` subclass and one more name here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, get_args
+
+from .base import Backend
+from .torch_backend import TorchBackend
+
+if TYPE_CHECKING:
+    from ..model.muse_spark import MuseSparkForCausalLM
+
+BackendName = Literal["auto", "torch", "cpu"]
+BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
+
+
+def select_backend(name: str | Backend, model: "MuseSparkForCausalLM") -> Backend:
+    """The backend `name` for `model` (a Backend instance is returned as it is).
+    Raises ValueError naming `backend` for an unknown name or one that cannot run here."""
+    if isinstance(name, Backend):
+        return name
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
+    if name == "torch":
+        return TorchBackend()
+    from ..kernels import cpu
+    from .cpu_backend import CpuBackend
+
+    if name == "auto" and (model.device.type != "cpu" or cpu.native_ops() is None):
+        return TorchBackend()
+    return CpuBackend(model)
+
+
+__all__ = ["BACKEND_NAMES", "Backend", "BackendName", "TorchBackend", "select_backend"]

@@ -1,0 +1,68 @@
+"""The compute-backend interface: the decoder's steps, each over a flat batch of T tokens.
+
+A backend computes; the modules hold weights. `DecoderLayer.forward` is the only forward
+path of a layer, and it is the same for every backend:
+
+    q, k, v, g = attn_in(layer, s, rotary, dtype)       # norm, Q/K/V/gate, QK-norm, rotary
+    o          = attention(layer.self_attn, q, k, v, positions, ctx)   # over the paged cache
+    s          = attn_out(layer, s, o, g)                # O-norm, sigmoid gate, O proj, gated residual
+    s          = dense_ffn(layer, s, dtype) or moe_ffn(layer, s, dtype)  # the feed-forward half
+
+`s` is the fp32 residual stream [T, H]; `dtype` is the model's activation dtype (what the
+reference rounds to between steps). Each step takes the module that owns the weights (a
+`DecoderLayer`, its `Attention`, the model), never loose tensors. The torch backend is the
+reference every other backend is tested against (tests/test_backends.py).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..layers.attention import AttentionContext
+    from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
+
+Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [T, D] fp32 of the layer's base; None on NoPE layers
+
+
+class Backend(ABC):
+    name: ClassVar[str]
+    supports_autograd: ClassVar[bool] = False  # without it, a forward that needs gradients runs on torch
+
+    @abstractmethod
+    def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the fp32 stream [T, H]: the embedding, RMS-normalized without weight."""
+
+    @abstractmethod
+    def attn_in(self, layer: "DecoderLayer", s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """s [T, H] fp32 -> q [T, nH, D], k [T, nKV, D], v [T, nKV, D], gate [T, nH, D], all in
+        `dtype`; q and k QK-normed (q times qk_scale) and rotated."""
+
+    @abstractmethod
+    def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  positions: torch.Tensor, ctx: "AttentionContext") -> torch.Tensor:
+        """Write k/v into the paged cache (if any) and attend -> o [T, nH, D] in q's dtype."""
+
+    @abstractmethod
+    def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """-> s' [T, H] fp32 = gate(s, rms(o_proj(rms(o) * sigmoid(g))))."""
+
+    @abstractmethod
+    def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """-> s' [T, H] fp32 = gate(s, post_norm(SwiGLU(pre_norm(s))))."""
+
+    @abstractmethod
+    def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """-> s' [T, H] fp32 = gate(s, post_norm(MoE(pre_norm(s)))) (route, pool, experts, unpool)."""
+
+    @abstractmethod
+    def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """s [T, H] fp32 -> y [T, H] in `dtype`."""
+
+    @abstractmethod
+    def logits(self, model: "MuseSparkForCausalLM", y: torch.Tensor) -> torch.Tensor:
+        """y [N, H] -> soft-capped logits [N, V] fp32: cap * tanh(y W^T * m / cap)."""

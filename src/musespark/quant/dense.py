@@ -1,0 +1,40 @@
+"""Dense weights (bf16, fp16 or fp32): one float tensor per matrix, multiplied as stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint.names import TensorSpec
+from ..layers.linear import linear
+from .format import ExpertsFormat, LinearFormat
+
+
+class DenseLinear(LinearFormat):
+    def tensors(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
+        return {"weight": TensorSpec((out_features, in_features))}
+
+    def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, module.weight)
+
+
+class DenseExperts(ExpertsFormat):
+    def tensors(self, num_experts: int, intermediate: int, hidden: int) -> dict[str, TensorSpec]:
+        return {"gate_up_proj": TensorSpec((num_experts, 2 * intermediate, hidden)),
+                "down_proj": TensorSpec((num_experts, hidden, intermediate))}
+
+    def apply(self, module: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, Im] each
+        return linear(F.silu(gate) * up, module.down_proj[expert])
+
+
+@dataclass(frozen=True)
+class _Dense:
+    linear: DenseLinear
+    experts: DenseExperts
+
+
+DENSE = _Dense(DenseLinear(), DenseExperts())

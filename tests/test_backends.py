@@ -1,0 +1,111 @@
+"""One model, built once, through both compute backends in the same process.
+
+The torch backend is the reference; the cpu backend (native kernels) must give the same
+greedy tokens, and logits within the stated tolerance, on the bundled model:
+* bf16: largest difference <= 0.1 of the largest |logit| and mean difference <= 0.01 of the
+  mean |logit| (measured: at most 0.06 and 0.006). The fused blocks round to bf16 at the
+  same places as the reference, but their fp32 sums run in another order, so a bf16
+  rounding may move by an ulp, and such moves compound over the layers and decode steps;
+* fp32: 1e-4 of the largest |logit| (only decode attention is native; its sums run in
+  another order)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import musespark
+from musespark.backends import BACKEND_NAMES, TorchBackend, select_backend
+from musespark.engine.tokenizer import Tokenizer
+from musespark.kernels import cpu
+from musespark.layers.attention import AttentionContext, KVGroup
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "musespark-tiny"
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):"]
+NEW_TOKENS = 24
+BLOCK = 4
+
+needs_ops = pytest.mark.skipif(cpu.native_ops() is None, reason="the cpu backend needs the native kernels "
+                               "(test_cpu_kernels checks they build on x86-64 Linux with AVX2)")
+
+
+def paged_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding the way the engine runs it: the prompt in two chunks, then one token
+    per step, keys and values in a paged cache -> (tokens, logits of every step [n, V])."""
+    cfg = model.config
+    blocks = (len(prompt) + n) // BLOCK + 1
+    shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    kv = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+          for _ in range(cfg.num_hidden_layers)]
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))[None, :]
+    ids, done, out, logits = list(prompt), 0, [], []
+    half = len(prompt) // 2
+    with torch.inference_mode():
+        for step in range(n + 1):
+            end = half if step == 0 else len(ids)
+            pos = torch.arange(done, end)
+            group = KVGroup(slot_mapping=table[0, pos // BLOCK] * BLOCK + pos % BLOCK, block_tables=table)
+            ctx = AttentionContext(query_start_loc=[0, end - done], seq_lens=[end], kv_caches=kv, groups=[group],
+                                   layer_group=[0] * cfg.num_hidden_layers)
+            hidden = model(torch.tensor(ids[done:end]), pos, ctx)
+            done = end
+            if step == 0:
+                continue
+            row = model.compute_logits(hidden[-1:])[0]
+            logits.append(row)
+            ids.append(int(row.argmax()))
+    return ids[len(prompt):], torch.stack(logits)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype,tol,mean_tol", [("bfloat16", 0.1, 0.01), ("float32", 1e-4, 1e-5)])
+def test_both_backends_agree_on_the_bundled_model(dtype, tol, mean_tol):
+    model = musespark.load_model(MODEL, dtype=dtype)  # built once; only the backend changes below
+    tokenizer = Tokenizer.from_dir(MODEL)
+    backends = {"torch": select_backend("torch", model), "cpu": select_backend("cpu", model)}
+    assert type(backends["cpu"]).__name__ == "CpuBackend"
+    for text in PROMPTS:
+        ids = tokenizer.encode(text)
+        got = {}
+        for name, backend in backends.items():
+            model.backend = backend
+            got[name] = (model.prompt_logits(ids), *paged_greedy(model, ids, NEW_TOKENS))
+        (ref_prompt, ref_tokens, ref_steps), (cpu_prompt, cpu_tokens, cpu_steps) = got["torch"], got["cpu"]
+        assert cpu_tokens == ref_tokens, text
+        for ours, ref in ((cpu_prompt, ref_prompt), (cpu_steps, ref_steps)):
+            err = float((ours - ref).abs().max() / ref.abs().max())
+            assert err <= tol, f"{text!r}: relative logit error {err:.1e} > {tol}"
+            mean_err = float((ours - ref).abs().mean() / ref.abs().mean())
+            assert mean_err <= mean_tol, f"{text!r}: mean relative logit error {mean_err:.1e} > {mean_tol}"
+        if dtype == "bfloat16":  # the fused blocks really ran: bf16 sums in another order differ somewhere
+            assert not torch.equal(cpu_prompt, ref_prompt)
+
+
+def test_backend_names_and_errors():
+    model = musespark.load_model(MODEL, dtype="float32", backend="torch")
+    assert isinstance(model.backend, TorchBackend)
+    assert set(BACKEND_NAMES) == {"auto", "torch", "cpu"}
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select_backend("cuda-magic", model)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        musespark.load_model(MODEL, backend="gpu")
+    auto = select_backend("auto", model)
+    assert type(auto).__name__ == ("TorchBackend" if cpu.native_ops() is None else "CpuBackend")
+
+
+@needs_ops
+def test_training_runs_on_the_reference_whatever_the_backend():
+    """The native kernels have no autograd: a forward that needs gradients runs on torch,
+    and gradients reach every weight."""
+    model = musespark.load_model(MODEL, dtype="bfloat16", backend="cpu")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.train()  # residual gates recompute alpha/beta from `gate` in training mode
+    ids = torch.tensor([3, 4, 5, 6, 7])
+    ctx = AttentionContext.for_prompts([5])
+    loss = model.compute_logits(model(ids, torch.arange(5), ctx)).logsumexp(-1).sum()
+    loss.backward()
+    sparse = next(layer for layer in model.layers if layer.is_sparse)
+    for weight in (model.layers[0].self_attn.q_proj.weight, sparse.mlp.experts.gate_up_proj,
+                   sparse.post_feedforward_residual_gate.gate):
+        assert weight.grad is not None and bool(weight.grad.abs().sum() > 0)
