@@ -20,7 +20,7 @@ from musespark.engine.tokenizer import Tokenizer
 from musespark.kernels import cpu
 from musespark.layers.attention import AttentionContext, KVGroup
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "musespark-tiny"
+MODEL = Path(__file__).resolve().parents[1] / "src" / "musespark" / "models" / "musespark-tiny"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):"]
 NEW_TOKENS = 24
 BLOCK = 4

@@ -7,13 +7,8 @@ import random
 
 import pytest
 
-from musespark.engine.block_manager import (
-    NULL_BLOCK,
-    BlockPool,
-    KVCacheManager,
-    hash_block,
-    num_blocks_for_budget,
-)
+from musespark.engine.block_manager import KVCacheManager
+from musespark.engine.block_pool import NULL_BLOCK, BlockPool, hash_block, num_blocks_for_budget
 
 BS = 4
 

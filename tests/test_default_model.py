@@ -4,13 +4,13 @@ chat template, stop strings on detokenized text, streaming text."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from musespark import LLM, SamplingParams
+from musespark.engine.args import bundled_model_path
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "musespark-tiny"
+MODEL = bundled_model_path()
 
 
 @pytest.fixture(scope="module")

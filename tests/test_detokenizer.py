@@ -11,10 +11,11 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from musespark.engine.args import bundled_model_path
 from musespark.engine.detokenizer import IncrementalDetokenizer
 from musespark.engine.tokenizer import Tokenizer
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "musespark-tiny"
+MODEL_DIR = bundled_model_path()
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 ASSISTANT_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
 

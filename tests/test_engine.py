@@ -64,11 +64,11 @@ def test_greedy_engine_equals_reference(checkpoint, prompts, reference, options)
     for i, (g, want) in enumerate(zip(got, reference)):
         assert g == want, f"prompt {i} (len {len(prompts[i])}): {g} != {want}"
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    kv = llm.engine.runner.kv
+    kv = llm.engine.core.scheduler.kv_cache_manager
     kv.check_invariants()
     assert kv.pool.num_used_blocks == 0
     if "kv_cache_memory" in options:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     if "max_num_batched_tokens" in options and "kv_cache_memory" not in options:
         assert llm.engine.num_steps > NEW_TOKENS + 1
 
@@ -80,7 +80,7 @@ def test_second_request_with_same_prefix_skips_its_prefill(checkpoint, prompts, 
     assert first.num_cached_tokens == 0
     second = llm.generate({"prompt_token_ids": prompts[3]}, params)[0]  # shares 40 tokens with prompts[0]
     assert second.num_cached_tokens == 40
-    assert llm.engine.runner.kv.prefix_hits == 40
+    assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits == 40
     assert second.outputs[0].token_ids == reference[3]
 
 
@@ -92,14 +92,14 @@ def test_sliding_layers_hold_only_the_window(checkpoint):
     engine = llm.engine
     engine.add_request("long", {"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=200, ignore_eos=True,
                                                                                temperature=0.0))
-    layout = engine.runner.layout
+    layout = engine.core.runner.layout
     sliding = [g for g, w in enumerate(layout.group_windows) if w is not None]
     full = [g for g, w in enumerate(layout.group_windows) if w is None]
     bound = -(-CFG.sliding_window // 4) + 1
     peak = 0
     while engine.has_unfinished_requests():
         engine.step()
-        kv = engine.runner.kv
+        kv = engine.core.scheduler.kv_cache_manager
         if kv.has_request("long") and engine.num_steps > 1:  # past the 20-token prefill chunk
             peak = max(peak, max(kv.num_held_blocks("long", g) for g in sliding))
             n_full = kv.num_held_blocks("long", full[0])

@@ -101,9 +101,9 @@ def test_streaming_deltas_add_up(llm):
 def test_abort_frees_blocks(llm):
     stream = llm.generate_stream(ids(*range(3, 40)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     next(stream)
-    assert llm.engine.runner.kv.pool.num_used_blocks > 0
+    assert llm.engine.core.scheduler.kv_cache_manager.pool.num_used_blocks > 0
     stream.close()
-    assert llm.engine.runner.kv.pool.num_used_blocks == 0
+    assert llm.engine.core.scheduler.kv_cache_manager.pool.num_used_blocks == 0
     assert not llm.engine.has_unfinished_requests()
 
 

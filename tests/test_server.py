@@ -331,14 +331,18 @@ def test_disconnecting_clients_free_their_blocks(server, llm):
 
 # -- graceful shutdown -------------------------------------------------------------------------------
 
+SIGTERM_TOKENS = 2000  # long enough (~2 s here) to still be running 0.3 s after the signal
+
+
 def test_sigterm_lets_running_requests_finish(tmp_path):
-    srv = ServerProcess(tmp_path / "sigterm.log")
+    srv = ServerProcess(tmp_path / "sigterm.log", "--max-model-len", str(SIGTERM_TOKENS + 16))
     try:
         lines: list[str] = []
         first = threading.Event()
 
         def consume() -> None:
-            body = {"prompt": "Once", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+            body = {"prompt": "Once", "max_tokens": SIGTERM_TOKENS, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     lines.append(line)
@@ -354,7 +358,7 @@ def test_sigterm_lets_running_requests_finish(tmp_path):
         assert t.is_alive()
         t.join(60)
         chunks = parse_sse(lines)
-        assert sum(1 for c in chunks if c["choices"]) == 200  # the running request ran to its end
+        assert sum(1 for c in chunks if c["choices"]) == SIGTERM_TOKENS  # the running request ran to its end
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert srv.proc.wait(40) == 0
         with pytest.raises(httpx.ConnectError):

@@ -1,4 +1,4 @@
-"""The bundled tiny model (models/musespark-tiny): loads in musespark and in the
+"""The bundled tiny model (src/musespark/models/musespark-tiny): loads in musespark and in the
 transformers==5.23.0 oracle with identical greedy output, its tokenizer round-trips
 text, its experts are all used, and it has learned something (its loss on held-out
 stdlib code is far below the unigram entropy, computed here from the training split)."""
@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from musespark.engine.args import bundled_model_path
+
 REPO = Path(__file__).resolve().parents[1]
-MODEL_DIR = REPO / "models" / "musespark-tiny"
+MODEL_DIR = bundled_model_path()
 sys.path.insert(0, str(REPO / "tools"))
 
 import tiny_corpus as tc  # noqa: E402

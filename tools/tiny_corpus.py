@@ -1,4 +1,4 @@
-"""Corpus and tokenizer for the bundled tiny model (`models/musespark-tiny`).
+"""Corpus and tokenizer for the bundled tiny model (`src/musespark/models/musespark-tiny`).
 
 Corpus: the `*.py` files of the Python standard library of the interpreter running
 this code (`sysconfig.get_paths()["stdlib"]`), without `site-packages` and without

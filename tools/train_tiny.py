@@ -12,7 +12,7 @@ the same batches). Router balance is auxiliary-loss-free: forward hooks on every
 `e_score_correction_bias += rate * sign(mean_load - load_e)`.
 
 Run state (model + optimizer + step + history) is a torch.save file in the run dir
-(default runs/tiny/state.pt); the shipped artifact (models/musespark-tiny) is
+(default runs/tiny/state.pt); the shipped artifact (src/musespark/models/musespark-tiny) is
 safetensors + JSON only.
 """
 
@@ -312,7 +312,7 @@ def calibrate_bias(model, run: Path, args) -> dict:
 
 
 def export(args) -> None:
-    """Write models/musespark-tiny from the run's final state, then evaluate the SHIPPED
+    """Write src/musespark/models/musespark-tiny from the run's final state, then evaluate the SHIPPED
     bf16 weights (reloaded with musespark.load_model) and write the model card."""
     from tokenizers import Tokenizer
 
@@ -397,7 +397,7 @@ def export(args) -> None:
                     for x, end in zip(sessions, session_ends))
     calib_flag = (f" --calibrate-bias-steps {calibration['steps']} --calibrate-bias-rate {calibration['rate']:g}"
                   if calibration else "")
-    cmd += f"\n.venv/bin/python tools/train_tiny.py --export-only{calib_flag}   # writes models/musespark-tiny + this card"
+    cmd += f"\n.venv/bin/python tools/train_tiny.py --export-only{calib_flag}   # writes src/musespark/models/musespark-tiny + this card"
     bias_rates = ", ".join(f"{x['args']['bias_rate']:g} (from step {x['start_step']})" for x in sessions)
     load_rows = "\n".join(
         f"| {i} | " + " | ".join(f"{100 * x:.1f}" for x in v) + f" | {100 * min(v):.1f} |"
@@ -425,7 +425,7 @@ It writes Python-looking text; it is not a useful code model.
 Files: `config.json` (nested released form), `model.safetensors` (bfloat16; residual
 gates, router weights and router bias in float32), `tokenizer.json`, `tokenizer_config.json`,
 `generation_config.json`. Total size {size / 2**20:.1f} MiB (without this card).
-Loads with `musespark.load_model("models/musespark-tiny")` and with
+Loads with `musespark.load_model("src/musespark/models/musespark-tiny")` and with
 `transformers==5.23.0` `MuseSparkForConditionalGeneration.from_pretrained`.
 
 ## Model
@@ -546,7 +546,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--sample-tokens", type=int, default=48)
     p.add_argument("--run-dir", default=str(ROOT / "runs" / "tiny"))
-    p.add_argument("--out", default=str(ROOT / "models" / "musespark-tiny"))
+    p.add_argument("--out", default=str(ROOT / "src" / "musespark" / "models" / "musespark-tiny"))
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--export-only", action="store_true")

@@ -11,6 +11,10 @@
 `generate` prints each completion as it streams; `serve` runs the OpenAI-compatible HTTP
 server (vLLM's flag names). Without a model both use the bundled model. `bench` runs
 vLLM's three benchmark modes (see musespark.bench); its last output line is one JSON object.
+
+The engine flags (--model, --dtype, --backend, --max-model-len, ...) of generate, serve and
+bench latency/throughput come from `EngineArgs.add_cli_args`: one table of names and
+defaults. `generate --seed` is the per-request sampling seed (the engine seed elsewhere).
 """
 
 from __future__ import annotations
@@ -20,42 +24,38 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .engine.llm import LLM
-from .sampling_params import SamplingParams
+from .engine.args import EngineArgs
+
+# `generate`'s fallback when the checkpoint's generation_config.json sets no max_new_tokens.
+GENERATE_MAX_TOKENS = 64
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for one or more prompts")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled musespark-tiny)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    EngineArgs.add_cli_args(p, skip={"seed"})
     p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate per prompt (default: "
-                   "the checkpoint's generation config, else 64)")
+                   f"the checkpoint's generation config, else {GENERATE_MAX_TOKENS})")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--seed", dest="request_seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--max-model-len", type=int, default=None)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, show_progress=True)
-    engine = llm.engine
-    fields = dict(engine.generation_defaults)
-    fields.setdefault("max_tokens", 64)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
-        value = getattr(args, name)
-        if value is not None:
-            fields[name] = value
-    params = SamplingParams(**fields)
+    from .engine.llm import LLM
+
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)), show_progress=True)
+    processor = llm.engine.input_processor
+    params = processor.default_sampling_params(
+        fallback_max_tokens=GENERATE_MAX_TOKENS, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.request_seed)
     for i, prompt in enumerate(args.prompts):
         if args.chat:
-            tokenizer = llm.get_tokenizer()
-            if tokenizer is None:
+            if processor.tokenizer is None:
                 raise ValueError("--chat needs a model with a tokenizer and a chat template")
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            request = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            request = processor.render_chat([{"role": "user", "content": prompt}])
         else:
             request = prompt
         if len(args.prompts) > 1:
@@ -75,23 +75,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint directory (default: the bundled musespark-tiny)")
+    EngineArgs.add_cli_args(p, model_positional=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
                    "(default: $MUSESPARK_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send "
                    "(default: MODEL as given, or the bundled model's directory name)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes "
-                   "(default: a fraction of available memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or the template "
                    "itself) replacing the checkpoint's")
     p.add_argument("--disable-log-requests", action="store_true")
@@ -104,22 +94,18 @@ def _run_serve(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from .config import CacheConfig
     from .engine.llm_engine import LLMEngine
     from .server.api import ServerConfig, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MUSESPARK_API_KEY") or None
-    cache = CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        enable_prefix_caching=args.enable_prefix_caching)
-    engine = LLMEngine(args.model, dtype=args.dtype, cache=cache, max_model_len=args.max_model_len,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       seed=args.seed)
+    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     if args.chat_template is not None:
         if engine.tokenizer is None:
             raise ValueError("--chat-template needs a model with a tokenizer")
         path = Path(args.chat_template)
-        engine.tokenizer.chat_template = path.read_text(encoding="utf-8") if path.is_file() else args.chat_template
+        engine.tokenizer.set_chat_template(path.read_text(encoding="utf-8") if path.is_file()
+                                           else args.chat_template)
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # fail now, not per request
     name = args.served_model_name or args.model or engine.model_path.name
     config = ServerConfig(model_name=name, api_key=api_key, max_request_body_bytes=args.max_request_body_bytes,
@@ -143,13 +129,17 @@ def _run_bench(args: argparse.Namespace) -> int:
     return {"latency": latency.main, "throughput": throughput.main, "serve": serve.main}[args.bench_mode](args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="musespark", description="Serve and run Muse Spark 1x models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _run_generate(args)

@@ -1,9 +1,16 @@
-"""Model configuration: parse and validate a Muse Spark 1x `config.json`.
+"""Frozen configuration: the checkpoint's `ModelConfig` and the engine's `EngineConfig` tree.
 
-Two shapes are accepted (SPEC §1):
+`ModelConfig` parses and validates a Muse Spark 1x `config.json`. Two shapes are accepted
+(SPEC §1):
   * nested, the released omni model: {"model_type": "muse_spark", "text_config": {...}, ...}
   * flat, text-only: {"model_type": "muse_spark_text", ...}
 Only the text decoder's fields matter; vision and audio sub-configs are ignored.
+
+`EngineConfig` is what an engine is built from: `ModelSettings` (which checkpoint, dtype,
+backend, seed), `CacheConfig`, `SchedulerConfig` and `ParallelConfig`. Every value in it is
+resolved (no "auto" left but `dtype`/`backend`, which the loader resolves); its defaults
+and CLI flags live in one place, `engine/args.py` (`EngineArgs`). Each section checks its
+own fields and raises `InvalidArgumentError` naming the field.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from .errors import InvalidArgumentError
 
 LayerType = Literal["full_attention", "sliding_attention"]
 MlpType = Literal["dense", "sparse"]
@@ -68,6 +77,8 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # Over 60 lines on purpose: one check per field, in field order, so the schema's
+        # rules read in one place.
         n = self.num_hidden_layers
         for name in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -246,6 +257,11 @@ class ModelConfig:
         return out
 
 
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}", param=name)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: `kv_cache_memory` bytes (or `kv_cache_fraction` of available RAM
@@ -257,14 +273,21 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        _positive_int("block_size", self.block_size)
         if self.kv_cache_memory is not None and (
                 isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, int)
                 or self.kv_cache_memory <= 0):
-            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
-        if not isinstance(self.kv_cache_fraction, (int, float)) or not 0 < self.kv_cache_fraction <= 1:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}")
+            raise InvalidArgumentError(
+                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}",
+                param="kv_cache_memory")
+        if isinstance(self.kv_cache_fraction, bool) or not isinstance(self.kv_cache_fraction, (int, float)) \
+                or not 0 < self.kv_cache_fraction <= 1:
+            raise InvalidArgumentError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}",
+                                       param="kv_cache_fraction")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise InvalidArgumentError(
+                f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
+                param="enable_prefix_caching")
 
 
 @dataclass(frozen=True)
@@ -278,6 +301,61 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            _positive_int(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over devices. One process, one device for now; the
+    distributed work fills these in (the engine refuses anything else until then)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise InvalidArgumentError(
+                f"enable_expert_parallel must be true or false, got {self.enable_expert_parallel!r}",
+                param="enable_expert_parallel")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+BackendName = Literal["auto", "torch", "cpu"]  # see musespark.backends
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which checkpoint and how to run it. `dtype` is "auto" (the checkpoint's), a dtype
+    name or a torch.dtype; `backend` is "auto" | "torch" | "cpu" (chosen once, at load);
+    `seed` seeds the engine's generator for requests without their own seed (None: a
+    non-reproducible seed)."""
+
+    path: Path
+    dtype: Any = "auto"  # str | torch.dtype; resolved by the checkpoint loader
+    backend: BackendName = "auto"
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if self.backend not in BACKENDS:
+            raise InvalidArgumentError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}",
+                                       param="backend")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidArgumentError(f"seed must be None or an int, got {self.seed!r}", param="seed")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from (see `engine/args.py` for defaults and flags)."""
+
+    model: ModelSettings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,8 +1,9 @@
 """SamplingParams: how one request turns logits into tokens, with vLLM's names and defaults.
 
 Field meanings follow vLLM's `SamplingParams`; only the fields this engine honours exist.
-Every field is checked in `__post_init__`; a bad value raises `ValueError` naming the
-argument and the value. `stop` and `stop_token_ids` are normalized to lists.
+Every field is checked in `__post_init__`; a bad value raises `InvalidArgumentError` (a
+ValueError) whose message names the argument and the value and whose `.param` is the field
+name. `stop` and `stop_token_ids` are normalized to lists.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import InvalidArgumentError
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-5
@@ -26,8 +29,8 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _bad(name: str, value: Any, want: str) -> ValueError:
-    return ValueError(f"{name} must be {want}, got {value!r}")
+def _bad(name: str, value: Any, want: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{name} must be {want}, got {value!r}", param=name)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # Over 60 lines on purpose: one check per field, in field order, so every rule and
+        # its message read in one place.
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
 
         if not _is_int(self.n) or self.n < 1:
@@ -145,17 +150,18 @@ class SamplingParams:
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
         """Build from a mapping; unknown keys are refused (the offline API must not drop them)."""
         if not isinstance(d, Mapping):
-            raise ValueError(f"SamplingParams.from_dict needs a mapping, got {type(d).__name__}")
+            raise InvalidArgumentError(f"SamplingParams.from_dict needs a mapping, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise UnknownArgumentError(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
         return cls(**d)
 
 
-class UnknownArgumentError(ValueError, TypeError):
-    """An unknown keyword: a ValueError (our contract) that is also the TypeError Python
-    raises for a bad keyword, so either `except` catches it."""
+class UnknownArgumentError(InvalidArgumentError, TypeError):
+    """An unknown keyword: an InvalidArgumentError (our contract) that is also the TypeError
+    Python raises for a bad keyword, so either `except` catches it. `.param` is the first
+    unknown name."""
 
 
 def _refuse_unknown_keywords(cls: type) -> None:
@@ -165,7 +171,7 @@ def _refuse_unknown_keywords(cls: type) -> None:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         unknown = sorted(k for k in kwargs if k not in known)
         if unknown:
-            raise UnknownArgumentError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            raise UnknownArgumentError(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
         init(self, *args, **kwargs)
 
     __init__.__doc__ = init.__doc__

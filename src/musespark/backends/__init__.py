@@ -10,16 +10,15 @@ A new device or kernel family is one more `Backend` subclass and one more name h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
+from ..config import BACKENDS as BACKEND_NAMES
+from ..config import BackendName
 from .base import Backend
 from .torch_backend import TorchBackend
 
 if TYPE_CHECKING:
     from ..model.muse_spark import MuseSparkForCausalLM
-
-BackendName = Literal["auto", "torch", "cpu"]
-BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 
 
 def select_backend(name: str | Backend, model: "MuseSparkForCausalLM") -> Backend:

@@ -82,10 +82,18 @@ def machine() -> dict[str, Any]:
 def versions() -> dict[str, str | None]:
     from .. import __version__
 
+    from importlib import metadata
+
     out: dict[str, str | None] = {"python": platform.python_version(), "musespark": __version__}
     for name in ("torch", "numpy", "transformers", "httpx"):
-        mod = sys.modules.get(name)
-        out[name] = getattr(mod, "__version__", None) if mod is not None else None
+        mod = sys.modules.get(name)  # the imported one wins; else what is installed (bench serve imports no torch)
+        version = getattr(mod, "__version__", None) if mod is not None else None
+        if version is None:
+            try:
+                version = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+        out[name] = str(version) if version is not None else None
     return out
 
 

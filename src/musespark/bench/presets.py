@@ -5,7 +5,7 @@
                  4 KV heads, head_dim 64, MoE hidden/intermediate 512, 32 experts, top-4,
                  sliding window 512, the default sliding/full/NoPE pattern
     bench-tiny   a very small random model for smoke tests
-    tiny         the bundled models/musespark-tiny (its trained weights, not random)
+    tiny         the bundled musespark-tiny (its trained weights, not random)
 
 `count_params(cfg)` counts from the config alone (nothing is allocated); `make_checkpoint`
 writes a seeded random checkpoint once into a cache directory and reuses it.
@@ -66,7 +66,7 @@ def preset_config(name: str) -> ModelConfig:
     fields = PRESETS[name]
     if fields is None:
         from ..checkpoint.loader import load_config
-        from ..engine.llm_engine import default_model_path
+        from ..engine.args import default_model_path
 
         return load_config(default_model_path())
     return ModelConfig(**fields)
@@ -120,7 +120,7 @@ def make_checkpoint(preset: str, dtype: str | torch.dtype = "bfloat16", cache_di
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if PRESETS[preset] is None:
-        from ..engine.llm_engine import default_model_path
+        from ..engine.args import default_model_path
 
         return default_model_path()
     name = dtype_name(dtype)

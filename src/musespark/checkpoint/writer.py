@@ -51,6 +51,19 @@ def save_checkpoint(
         disk = name if name == LM_HEAD else prefix + name
         tensors[disk] = t.contiguous().clone()  # clone: tied tensors must not share storage on disk
 
+    _write_shards(tensors, path, max_shard_bytes)
+    config = cfg.to_dict(nested=nested)
+    if dtype is not None:
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        if nested:
+            config["text_config"]["dtype"] = config["dtype"]
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], path: Path, max_shard_bytes: int | None) -> None:
+    """One `model.safetensors`, or shards of at most `max_shard_bytes` (a tensor is never
+    split) listed in `model.safetensors.index.json`."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for disk, t in tensors.items():
@@ -63,19 +76,11 @@ def save_checkpoint(
     metadata = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
-    else:
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / fname), metadata=metadata)
-            weight_map.update((k, fname) for k in shard)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (path / INDEX_FILE).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    config = cfg.to_dict(nested=nested)
-    if dtype is not None:
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        if nested:
-            config["text_config"]["dtype"] = config["dtype"]
-    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-    return path
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata=metadata)
+        weight_map.update((k, fname) for k in shard)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

@@ -1,8 +1,10 @@
 """KV cache blocks: allocation, prefix reuse, sliding-window release, ref counts.
 
-Pure Python, no tensors. A block id indexes the K/V tensors `[num_blocks, block_size,
-nKV, D]` of its group's layers (see `model_runner.kv_layout`); token position p lives in logical
-block p // block_size at offset p % block_size, so its flat cache slot is
+Pure Python, no tensors. The scheduler owns the one `KVCacheManager`; the model runner only
+reads the block tables the scheduler hands it for a step. A block id indexes the K/V
+tensors `[num_blocks, block_size, nKV, D]` of its group's layers (see
+`model_runner.kv_layout`); token position p lives in logical block p // block_size at
+offset p % block_size, so its flat cache slot is
 `block_table[p // block_size] * block_size + p % block_size`.
 
 Layers are split into KV groups (`group_windows[g]` is None for full attention, W for
@@ -30,9 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import NULL_BLOCK, BlockHash, BlockPool, hash_block, num_blocks_for_budget
+from .block_pool import NULL_BLOCK, BlockHash, BlockPool, hash_block
 
-__all__ = ["NULL_BLOCK", "BlockPool", "KVCacheManager", "hash_block", "num_blocks_for_budget"]
 
 @dataclass
 class _RequestState:
@@ -145,6 +146,9 @@ class KVCacheManager:
         Full blocks below `num_computed_tokens` get hashed; sliding-group blocks the
         queries at >= num_computed_tokens cannot reach are released (-1).
         Returns False and changes nothing when the pool cannot supply the blocks.
+
+        (Over 60 lines on purpose: lookup, plan and commit stay in one function so that the
+        all-or-nothing rule is visible in one place; nothing is changed before the commit.)
         """
         bs = self.block_size
         c, total = num_computed_tokens, num_computed_tokens + num_new_tokens
@@ -237,6 +241,11 @@ class KVCacheManager:
     def block_table(self, request_id: str, group: int) -> list[int]:
         """Logical block index -> block id (NULL_BLOCK = released); a copy."""
         return list(self._requests[request_id].tables[group])
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """Every group's block table of the request: the manager's own lists, not copies.
+        Read-only for the caller, and valid only until the next allocate/free call."""
+        return self._requests[request_id].tables
 
     def num_held_blocks(self, request_id: str, group: int) -> int:
         return sum(1 for b in self._requests[request_id].tables[group] if b != NULL_BLOCK)

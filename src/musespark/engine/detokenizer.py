@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from musespark.engine.tokenizer import Tokenizer
+from .tokenizer import Tokenizer
 
 # Prompt tokens kept as decoding context: decoders that strip a leading space (SentencePiece
 # "▁") must see what came before the first output token to render it as it will read.

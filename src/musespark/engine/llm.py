@@ -4,7 +4,10 @@
     outs = llm.generate(["def f(x):"], SamplingParams(max_tokens=32))
     outs[0].outputs[0].text
 
-Every argument is checked before any work starts; a bad one is a ValueError naming it.
+Every argument is checked before any work starts; a bad one is a ValueError naming it
+(an `InvalidArgumentError` whose `.param` is its name). The engine's knobs and their
+defaults are `EngineArgs`' (engine/args.py); prompts and chats go through the engine's
+input processor, as in the CLI and the server.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from typing import Any
 
 import torch
 
-from ..config import CacheConfig
+from ..errors import InvalidArgumentError
 from ..sampling_params import SamplingParams
+from .args import EngineArgs
+from .input_processor import ProcessedPrompt
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 
-Prompt = str | dict[str, Any]
+Prompt = str | dict[str, Any] | ProcessedPrompt
 
 
 class LLM:
@@ -37,17 +42,18 @@ class LLM:
         seed: int | None = 0,
         block_size: int = 16,
         kv_cache_fraction: float = 0.2,
+        backend: str = "auto",
         show_progress: bool = False,
         **kwargs: Any,
     ) -> None:
         if kwargs:
-            raise ValueError(f"LLM() got unknown argument(s): {sorted(kwargs)}")
-        cache = CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                            kv_cache_fraction=kv_cache_fraction, enable_prefix_caching=enable_prefix_caching)
+            raise InvalidArgumentError(f"LLM() got unknown argument(s): {sorted(kwargs)}", param=sorted(kwargs)[0])
+        args = EngineArgs(model=model, dtype=dtype, backend=backend, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
+                          enable_prefix_caching=enable_prefix_caching, seed=seed)
         progress = _progress_bar("Loading weights") if show_progress else None
-        self.engine = LLMEngine(model, dtype=dtype, cache=cache, max_model_len=max_model_len,
-                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                seed=seed, progress=progress)
+        self.engine = LLMEngine(args.create_engine_config(), progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -102,24 +108,26 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to one conversation (a list of messages)
         or several, then generate."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it has no chat template")
+        processor = self.engine.input_processor
+        if processor.tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+            raise InvalidArgumentError(
+                "messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)",
+                param="messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in conversations:
-            text = tokenizer.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [processor.render_chat(list(conv), add_generation_prompt=add_generation_prompt)
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -- helpers ------------------------------------------------------------------
     def _submit(self, prompts: Prompt | Sequence[Prompt], sampling_params: Any) -> list[str]:
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict, ProcessedPrompt)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a string, a {'prompt_token_ids': [...]} dict, or a non-empty list of them")
+            raise InvalidArgumentError(
+                "prompts must be a string, a {'prompt_token_ids': [...]} dict, or a non-empty list of them",
+                param="prompt")
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, dict):
@@ -129,16 +137,18 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+                raise InvalidArgumentError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts",
+                                           param="sampling_params")
             if not all(isinstance(p, SamplingParams) for p in params):
-                raise ValueError("sampling_params must be SamplingParams (or a list of them)")
+                raise InvalidArgumentError("sampling_params must be SamplingParams (or a list of them)",
+                                           param="sampling_params")
         # Validate everything before queueing anything.
+        processor = self.engine.input_processor
         tokenized = []
         for prompt, p in zip(prompts, params):
-            text, ids = self.engine.tokenize_prompt(prompt)
-            self.engine.validate(ids, p)
-            tokenized.append({"prompt": text, "prompt_token_ids": ids} if text is not None
-                             else {"prompt_token_ids": ids})
+            processed = processor.process_prompt(prompt)
+            processor.validate(processed.token_ids, p)
+            tokenized.append(processed)
         request_ids = [str(next(self._ids)) for _ in prompts]
         for rid, prompt, p in zip(request_ids, tokenized, params):
             self.engine.add_request(rid, prompt, p)
@@ -146,7 +156,7 @@ class LLM:
 
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the checkpoint's generation_config.json."""
-        return SamplingParams(**self.engine.generation_defaults)
+        return self.engine.input_processor.default_sampling_params()
 
 
 def _progress_bar(desc: str, total: int | None = None):

@@ -1,5 +1,10 @@
 """Turns a scheduled batch into one flat model call, then samples.
 
+The runner owns tensors only: the model's weights and the KV cache tensors. It sizes the
+cache, reports how many blocks fit (`num_blocks`) and how layers group (`layout`), and
+reads each step's block tables from the `ScheduledBatch`; it never holds the KV cache
+manager (the scheduler does) and never changes a request.
+
 KV layout (hybrid allocation): layers are split into KV groups of equal size S, full-
 attention layers apart from sliding-window ones (S = the smaller of the two counts). The
 cache holds S K/V tensor pairs `[num_blocks, block_size, nKV, D]`; the j-th layer of
@@ -16,11 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CacheConfig, ModelConfig
-from ..kernels import cpu
 from ..layers.attention import AttentionContext, KVGroup
 from ..layers.sampler import SamplingBatch, sample
 from ..model.muse_spark import MuseSparkForCausalLM
-from .block_manager import KVCacheManager, NULL_BLOCK, num_blocks_for_budget
+from .block_pool import NULL_BLOCK, num_blocks_for_budget
 from .request import Request
 from .scheduler import ScheduledBatch
 
@@ -55,19 +59,20 @@ def available_memory() -> int:
         return 4 << 30
 
 
+# Per sampled request: (chosen token's logprob, top token ids, their logprobs), best first.
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
 @dataclass
-class StepOutput:
+class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
-    logprobs: dict[str, tuple[float, dict[int, float]]]  # for requests that asked
-    num_tokens: int
+    logprobs: dict[str, TokenLogprobs]  # for sampled requests that asked for logprobs
 
 
 class ModelRunner:
     def __init__(self, model: MuseSparkForCausalLM, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> None:
         self.model = model
         cfg = model.config
-        if model.device.type == "cpu":
-            cpu.native_ops()  # build (once, cached) or load the CPU kernels now, not during the first request
         self.layout = kv_layout(cfg)
         self.block_size = cache.block_size
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
@@ -88,32 +93,29 @@ class ModelRunner:
         shape = (num_blocks, cache.block_size, cfg.num_key_value_heads, cfg.head_dim)
         slots = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
                   torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in range(self.layout.num_slots)]
-        self.kv_caches = [slots[s] for s in self.layout.layer_slot]
-        self.kv_bytes = 2 * self.layout.num_slots * num_blocks * cache.block_size * cfg.num_key_value_heads \
-            * cfg.head_dim * dtype_bytes
-        self.kv = KVCacheManager(num_blocks, cache.block_size, self.layout.group_windows,
-                                 enable_prefix_caching=cache.enable_prefix_caching)
+        self.kv_caches = [slots[s] for s in self.layout.layer_slot]  # per layer: its group slot's (K, V)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         device = self.model.device
+        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         qsl, seq_lens = [0], []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
         groups: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in self.layout.group_windows]
-        for request, n in zip(batch.requests, batch.num_new):
+        for request, n, req_tables in zip(batch.requests, batch.num_new, batch.block_tables):
             start = request.num_computed_tokens
             end = start + n
             ids.extend(request.token_ids[start:end])
-            pos = range(start, end)
-            positions.extend(pos)
+            positions.extend(range(start, end))
             qsl.append(qsl[-1] + n)
             seq_lens.append(end)
-            for g, (slots, tables) in enumerate(groups):
-                slots.extend(self.kv.slot_mapping(request.request_id, g, pos))
-                tables.append(self.kv.block_table(request.request_id, g))
+            for (slots, tables), table in zip(groups, req_tables):
+                # Flat cache slot of each new position (the scheduler allocated its block).
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                tables.append(table)
             if end == request.num_tokens:  # the last known token is computed: sample the next
                 sample_rows.append(qsl[-1] - 1)
                 sample_reqs.append(request)
@@ -126,14 +128,14 @@ class ModelRunner:
         ctx = AttentionContext(query_start_loc=qsl, seq_lens=seq_lens, kv_caches=self.kv_caches,
                                groups=kv_groups, layer_group=self.layout.layer_group)
         hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), ctx)
-        out = StepOutput(sampled={}, logprobs={}, num_tokens=len(ids))
+        out = ModelRunnerOutput(sampled={}, logprobs={})
         if not sample_reqs:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
         self._sample(logits, sample_reqs, out)
         return out
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], out: StepOutput) -> None:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], out: ModelRunnerOutput) -> None:
         V = logits.shape[-1]
         params = [r.params for r in requests]
         batch = SamplingBatch.build(
@@ -157,5 +159,7 @@ class ModelRunner:
             out.sampled[r.request_id] = tokens[i]
             if r.params.logprobs is not None:
                 k = r.params.logprobs
-                top = {} if top_ids is None else dict(zip(top_ids[i][:k], top_lp[i][:k]))
-                out.logprobs[r.request_id] = (chosen[i], top)
+                if top_ids is None:
+                    out.logprobs[r.request_id] = (chosen[i], [], [])
+                else:
+                    out.logprobs[r.request_id] = (chosen[i], top_ids[i][:k], top_lp[i][:k])

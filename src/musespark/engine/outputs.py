@@ -1,5 +1,14 @@
 """What the engine hands back, in vLLM's shapes: `RequestOutput` with one
-`CompletionOutput` per sample (`n` of them)."""
+`CompletionOutput` per sample (`n` of them).
+
+Invariants (the output processor builds these once per step, in O(new tokens)):
+* `token_ids`, `logprobs` and `prompt_token_ids` are the sequence's own lists, shared by every
+  output of the request and appended to as it advances: they are complete once `finished`.
+  While streaming, read the `delta_*` fields (fresh per step) for what the step added,
+  or copy the lists you keep.
+* `text` is the completion's text as of this step; `delta_text` is what this step added.
+* A `Logprob` is built once per generated token and never rebuilt.
+"""
 
 from __future__ import annotations
 
@@ -17,14 +26,15 @@ class Logprob:
 class CompletionOutput:
     index: int
     text: str  # the whole completion so far
-    token_ids: list[int]
+    token_ids: list[int]  # live: see the module docstring
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None  # per output token: the chosen one and the top-n
+    logprobs: list[dict[int, Logprob]] | None  # live; per output token: the chosen one and the top-n
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
-    # What this step added (for streaming); the whole completion is in text/token_ids.
+    # What this step added (for streaming); the whole completion is in text/token_ids/logprobs.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -1,15 +1,16 @@
 """A request as the scheduler sees it: token ids, progress counters and stop state.
 
-Invariant: `token_ids == prompt_token_ids + output_token_ids`, and
+Invariants: `token_ids == prompt_token_ids + output_token_ids`, and
 `0 <= num_computed_tokens <= len(token_ids)`. A step computes the next n tokens of the
-request; when that reaches `len(token_ids)`, the step samples one new token.
+request; when that reaches `len(token_ids)`, the step samples one new token. A request
+holds ids and counters only: text, stop strings and logprobs belong to the output
+processor, blocks to the KV cache manager.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -27,10 +28,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival: int  # monotonically increasing; the largest is the newest (preempted first)
     max_tokens: int  # resolved from params.max_tokens and max_model_len
     eos_token_ids: frozenset[int] = frozenset()
-    generator: torch.Generator | None = None  # per-request RNG for seeded sampling
+    generator: torch.Generator | None = None  # the request's RNG for sampled (non-greedy) rows
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -39,10 +39,6 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    # Logprobs of each output token: (chosen logprob, {token: logprob} of the top-n).
-    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    user_data: Any = None  # the engine's bookkeeping: (parent request id, child index)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -51,10 +47,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -1,44 +1,53 @@
 """Continuous batching by counters (vLLM v1 style); no tensors here.
 
-Each step hands out a token budget (`max_num_batched_tokens`): running requests first,
-in arrival order, each asking for `num_tokens - num_computed_tokens` (1 for a decode,
-the rest of the prompt, chunked, for a prefill); then waiting requests, which first
-reuse cached prefix blocks. When the KV pool runs out, the newest running request is
-preempted by recompute: its blocks are freed and it goes back to the front of the
-waiting queue with `num_computed_tokens = 0`; its tokens so far are kept, so nothing is
-lost or duplicated.
+The scheduler owns the requests' queues and the one `KVCacheManager` (built from the block
+count the model runner reports). Each step hands out a token budget
+(`max_num_batched_tokens`): running requests first, in arrival order, each asking for
+`num_tokens - num_computed_tokens` (1 for a decode, the rest of the prompt, chunked, for a
+prefill); then waiting requests, which first reuse cached prefix blocks. When the KV pool
+runs out, the newest running request is preempted by recompute: its blocks are freed and
+it goes back to the front of the waiting queue with `num_computed_tokens = 0`; its tokens
+so far are kept, so nothing is lost or duplicated.
+
+Invariants: `running` is in arrival order and holds at most `max_num_seqs` requests; every
+running request holds blocks for its computed tokens, a waiting one holds none; a finished
+or aborted request is in neither queue and holds no blocks.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..config import SchedulerConfig
+from ..config import CacheConfig, SchedulerConfig
 from .block_manager import KVCacheManager
 from .request import Request, RequestStatus
 
 
 @dataclass
 class ScheduledBatch:
-    """One step's decision: compute `num_new` tokens for each request, in this order."""
+    """One step's decision: compute `num_new` tokens for each request, in this order.
+
+    `block_tables[i][g]` is request i's block table in KV group g: the manager's own list,
+    read-only, valid until the scheduler next runs (the model runner reads it, never the
+    manager)."""
 
     requests: list[Request] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new)
+    block_tables: list[list[list[int]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.requests)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
+                 group_windows: Sequence[int | None]) -> None:
         self.config = config
-        self.kv = kv
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, group_windows,
+                                               enable_prefix_caching=cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order
         self.requests: dict[str, Request] = {}
@@ -70,7 +79,7 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.kv.free(request.request_id)
+        self.kv_cache_manager.free(request.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -86,8 +95,8 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        kv = self.kv_cache_manager
         budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -96,29 +105,33 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(request.request_id, request.token_ids, request.num_computed_tokens, n):
+            # The victim is the newest running request: one at index >= i, so never one
+            # already scheduled this step; when it is `request` itself, stop trying.
+            while not kv.allocate_slots(request.request_id, request.token_ids, request.num_computed_tokens, n):
                 victim = self.running[-1]
-                if victim.request_id in scheduled:  # never undo work already handed out
-                    victim = request
                 self._preempt(victim, batch)
                 if victim is request:
                     break
             else:
                 batch.requests.append(request)
                 batch.num_new.append(n)
-                scheduled.add(request.request_id)
                 budget -= n
                 i += 1
                 continue
             # `request` itself was preempted: the list shifted; do not advance i.
 
-        if batch.preempted:  # memory is tight: admit nobody new this step
-            return batch
+        if not batch.preempted:  # memory is tight after a preemption: admit nobody new this step
+            self._admit_waiting(batch, budget)
+        batch.block_tables = [kv.block_tables(r.request_id) for r in batch.requests]
+        return batch
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed = self.kv.get_computed_blocks(request.request_id, request.token_ids)
+            computed = kv.get_computed_blocks(request.request_id, request.token_ids)
             n = min(request.num_tokens - computed, budget)
-            if not self.kv.allocate_slots(request.request_id, request.token_ids, computed, n):
+            if not kv.allocate_slots(request.request_id, request.token_ids, computed, n):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = computed
@@ -129,11 +142,10 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new.append(n)
             budget -= n
-        return batch
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
+        self.kv_cache_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -153,7 +165,8 @@ class Scheduler:
             if request.is_finished:  # aborted meanwhile
                 continue
             request.num_computed_tokens += n
-            self.kv.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+            self.kv_cache_manager.cache_full_blocks(request.request_id, request.token_ids,
+                                                    request.num_computed_tokens)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

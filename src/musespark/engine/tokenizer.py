@@ -229,6 +229,11 @@ class Tokenizer:
 
     # --- chat ---------------------------------------------------------------------------
 
+    def set_chat_template(self, template: str | None) -> None:
+        """Replace the checkpoint's chat template (before serving; not thread-safe)."""
+        self.chat_template = template
+        self._template = None
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:

@@ -157,19 +157,22 @@ def paged_attention(
         s, e = qsl[b], qsl[b + 1]
         if e == s or (single and e - s == 1):
             continue
-        seq_len = ctx.seq_lens[b]
-        first_query = seq_len - (e - s)
-        # Oldest key any of these queries can see; blocks before it are never read.
-        first_key = 0 if window is None else max(0, first_query - window + 1)
-        first_block = first_key // block_size
-        last_block = (seq_len - 1) // block_size
-        blocks = group.block_tables[b, first_block:last_block + 1]
-        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)[None, :]).reshape(-1)
-        start = first_block * block_size
-        slots = slots[: seq_len - start]
-        k_pos = torch.arange(start, seq_len, device=q.device)
+        slots, k_pos = _reachable_slots(group.block_tables[b], ctx.seq_lens[b], e - s, block_size, window)
         out[s:e] = _attend(q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window)
     return out
+
+
+def _reachable_slots(table: torch.Tensor, seq_len: int, num_queries: int, block_size: int,
+                     window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slots [m] and positions [m] of every key the last `num_queries` positions of
+    a sequence of `seq_len` can see; blocks before the oldest reachable key are never read."""
+    first_query = seq_len - num_queries
+    first_key = 0 if window is None else max(0, first_query - window + 1)
+    first_block = first_key // block_size
+    blocks = table[first_block:(seq_len - 1) // block_size + 1]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)[None, :]).reshape(-1)
+    start = first_block * block_size
+    return slots[: seq_len - start], torch.arange(start, seq_len, device=table.device)
 
 
 def _decode_attention(

@@ -20,7 +20,7 @@ from itertools import chain
 
 import torch
 
-from musespark.sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class SamplingBatch:
         return max(asked) if asked else None
 
     @classmethod
-    def build(
+    def build(  # over 60 lines: one pass mapping each SamplingParams field to its batch tensor, kept together
         cls,
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],

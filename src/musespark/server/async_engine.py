@@ -1,10 +1,19 @@
 """`AsyncEngine`: one engine thread serving every connection with continuous batching.
 
-The engine is not thread-safe, so exactly one thread (the engine loop) calls `add_request`,
-`abort_request` and `step()`, always under `self._lock`. Coroutines hand it new requests and
-aborts through a thread-safe inbox; outputs come back to each request's asyncio.Queue via
-`loop.call_soon_threadsafe`. A request whose consumer goes away (client disconnect,
-cancellation) is aborted at the next loop turn, which frees its KV blocks at once.
+What the server may use: `generate()` (submit a processed prompt, then the request's output
+stream), `abort()`, `stats()` (the latest `EngineStats` snapshot), `metrics`, and the
+read-only facts copied at construction (`input_processor`, `tokenizer`, `model_path`,
+`max_model_len`, `vocab_size`). Nothing else reaches into the engine.
+
+Invariants:
+* Exactly one thread, the engine loop, touches the `LLMEngine` (add, abort, step, stats):
+  no lock is needed. Coroutines hand it new requests and aborts through a thread-safe
+  inbox; outputs come back to each request's asyncio.Queue via `loop.call_soon_threadsafe`.
+* `stats()` returns an immutable snapshot the engine thread replaces after every step, so a
+  scrape never touches the engine.
+* A request whose consumer goes away (client disconnect, cancellation) is aborted at the
+  next loop turn, which frees its KV blocks at once.
+* The input processor is thread-safe: routes tokenize and render chats in worker threads.
 """
 
 from __future__ import annotations
@@ -15,9 +24,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from ..engine.core import EngineStats
+from ..engine.input_processor import ProcessedPrompt
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -40,7 +51,6 @@ class _Stream:
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
-    last_counts: dict[int, int] = field(default_factory=dict)
 
 
 def _send(stream: _Stream, item: Any) -> None:
@@ -51,11 +61,16 @@ def _send(stream: _Stream, item: Any) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, log_requests: bool = True) -> None:
-        self.engine = engine
-        self.metrics = metrics
+    def __init__(self, engine: LLMEngine, model_name: str, log_requests: bool = True) -> None:
+        self._engine = engine  # the engine thread's alone
+        self.input_processor = engine.input_processor
+        self.tokenizer = engine.tokenizer
+        self.model_path = engine.model_path
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.config.vocab_size
         self.log_requests = log_requests
-        self._lock = threading.Lock()
+        self._stats: EngineStats = engine.get_stats()
+        self.metrics = ServerMetrics(model_name, self.stats)
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -76,11 +91,16 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its last step (an immutable snapshot)."""
+        return self._stats
+
     # -- the coroutine side --------------------------------------------------------
-    async def generate(self, request_id: str, prompt: dict[str, Any], params: SamplingParams
+    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as the engine produces them; leaving early aborts it.
-        The prompt must already be validated (engine.validate), so adding cannot fail."""
+        """Submit a request and yield its outputs as the engine produces them; leaving early
+        aborts it. The prompt should be validated already (`input_processor.validate`);
+        an engine refusal is raised from the first iteration."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
@@ -97,7 +117,11 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._post(("abort", request_id))
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; takes effect at the engine loop's next turn)."""
+        self._post(("abort", request_id))
 
     def _post(self, item: tuple[str, Any]) -> None:
         self._inbox.append(item)  # deque.append is atomic
@@ -105,17 +129,17 @@ class AsyncEngine:
 
     # -- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
+        engine = self._engine
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
-                    self._snapshot()
+                if not engine.has_unfinished_requests():
+                    self._stats = engine.get_stats()
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
                 try:
-                    with self._lock:
-                        outputs = self.engine.step()
+                    outputs = engine.step()
                 except Exception as exc:  # a failed step fails the requests in it, not the server
                     logger.exception("engine step failed; aborting all requests")
                     self._fail_all(exc)
@@ -123,7 +147,7 @@ class AsyncEngine:
                 now = time.monotonic()
                 for out in outputs:
                     self._deliver(out, now)
-                self._snapshot()
+                self._stats = engine.get_stats()
         except BaseException as exc:  # pragma: no cover - a bug in this loop
             logger.exception("engine loop died")
             self.error = exc
@@ -133,28 +157,30 @@ class AsyncEngine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                request_id, prompt, params, stream = payload
-                try:
-                    with self._lock:
-                        self.engine.add_request(request_id, prompt, params)
-                except Exception as exc:
-                    _send(stream, exc)
-                    continue
-                self._streams[request_id] = stream
-                self.metrics.prompt_tokens.inc(len(prompt["prompt_token_ids"]))
-                if self.log_requests:
-                    logger.info("added request %s: %d prompt tokens, %s", request_id,
-                                len(prompt["prompt_token_ids"]), params)
+                self._add(*payload)
             else:
-                stream = self._streams.pop(payload, None)
-                with self._lock:
-                    aborted = self.engine.abort_request(payload)
-                if aborted is not None:
-                    for c in aborted.outputs:
-                        self.metrics.request_finished(c.finish_reason or "abort")
-                    self._observe_end(stream)
-                    if self.log_requests:
-                        logger.info("aborted request %s", payload)
+                self._abort(payload)
+
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, stream: _Stream) -> None:
+        try:
+            self._engine.add_request(request_id, prompt, params)
+        except Exception as exc:
+            _send(stream, exc)
+            return
+        self._streams[request_id] = stream
+        self.metrics.prompt_tokens.inc(len(prompt.token_ids))
+        if self.log_requests:
+            logger.info("added request %s: %d prompt tokens, %s", request_id, len(prompt.token_ids), params)
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        aborted = self._engine.abort_request(request_id)
+        if aborted is not None:
+            for c in aborted.outputs:
+                self.metrics.request_finished(c.finish_reason or "abort")
+            self._observe_end(stream)
+            if self.log_requests:
+                logger.info("aborted request %s", request_id)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)
@@ -185,23 +211,9 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
             try:
-                with self._lock:
-                    self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
             except Exception:  # pragma: no cover
                 logger.exception("abort of %s failed", request_id)
             _send(stream, exc)
         self._streams.clear()
-        self._snapshot()
-
-    def _snapshot(self) -> None:
-        e, s = self.engine, self.metrics.snapshot
-        kv = e.runner.kv
-        s.num_running, s.num_waiting = e.scheduler.num_running, e.scheduler.num_waiting
-        s.kv_usage = kv.usage()
-        s.prefix_queries, s.prefix_hits = kv.prefix_queries, kv.prefix_hits
-        s.num_preemptions = e.scheduler.num_preemptions
-
-    # -- read-only helpers for the routes ----------------------------------------------
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams) + len(self._inbox)
+        self._stats = self._engine.get_stats()

@@ -1,18 +1,20 @@
 """Prometheus series under vLLM's names (`vllm:*`, label `model_name`).
 
 Counters and histograms are updated by the engine thread as outputs appear; gauges and the
-engine's own cumulative counters (prefix cache, preemptions) are read from a snapshot the
-engine thread refreshes after every step, so a scrape never touches the engine itself.
+engine's own cumulative counters (prefix cache, preemptions) are read from the immutable
+`EngineStats` snapshot the engine thread publishes after every step (the `stats` callable),
+so a scrape never touches the engine itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from ..engine.core import EngineStats
 
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -23,24 +25,12 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-@dataclass
-class EngineSnapshot:
-    """Engine state as of the last step (written by the engine thread only)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-    num_preemptions: int = 0
-
-
 class _SnapshotCollector(Collector):
     def __init__(self, metrics: ServerMetrics) -> None:
         self._m = metrics
 
     def collect(self) -> Iterator:
-        s, label = self._m.snapshot, [self._m.model_name]
+        s, label = self._m.stats(), [self._m.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -66,10 +56,10 @@ class _SnapshotCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats] = EngineStats) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.snapshot = EngineSnapshot()
+        self.stats = stats
         r, labels = self.registry, ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
                                      registry=r).labels(model_name)

@@ -2,7 +2,7 @@
 
 Unknown request fields are accepted and ignored, as vLLM does. Sampling fields default to
 None so that the checkpoint's generation_config.json supplies the default unless the
-request names a value (`to_sampling_fields`). Range checks live in `SamplingParams`; the
+request names a value (`sampling_fields`). Range checks live in `SamplingParams`; the
 few checks here are the ones that protect the server (sizes the engine cannot bound).
 """
 

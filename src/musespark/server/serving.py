@@ -1,8 +1,15 @@
-"""The two generation routes: /v1/completions and /v1/chat/completions.
+"""The generation routes (/v1/completions, /v1/chat/completions) and /tokenize, /detokenize.
 
-Each turns a validated request into (prompt, SamplingParams) pairs, runs them through the
-AsyncEngine, and renders either one JSON body or a server-sent-event stream that ends with
-`data: [DONE]`. Every ValueError raised while building the request becomes a 400.
+Each turns a validated request into (prompt, SamplingParams) jobs with the engine's input
+processor, runs them through the AsyncEngine, and renders either one JSON body or a
+server-sent-event stream that ends with `data: [DONE]`.
+
+Invariants:
+* The `*_jobs`, `tokenize` and `detokenize` methods tokenize or render chats: the routes
+  call them in a worker thread (`asyncio.to_thread`), never on the event loop.
+* Every `ValueError` raised while building a request becomes a 400 whose `param` is the
+  error's own (`InvalidArgumentError.param`); no message text is parsed.
+* Streamed logprobs come from each step's `delta_logprobs`, never from the growing lists.
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.input_processor import ProcessedPrompt
+from ..engine.outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
-from .protocol import ChatCompletionRequest, CompletionRequest, envelope, error_body, random_id, usage
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, envelope,
+                       error_body, random_id, usage)
 
 
 class APIError(Exception):
@@ -27,15 +36,8 @@ class APIError(Exception):
 
 
 def bad_request(exc: ValueError) -> APIError:
-    message = str(exc)
-    first = message.split(" ", 1)[0]
-    param = first if first.isidentifier() and first in _PARAM_NAMES else None
-    return APIError(400, message, param)
-
-
-_PARAM_NAMES = {"n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
-                "top_k", "min_p", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs",
-                "prompt", "prompt_token_ids", "messages"}
+    """A 400 for a refused argument, naming it when the error does."""
+    return APIError(400, str(exc), getattr(exc, "param", None))
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class Job:
     """One engine request: a prompt and its parameters."""
 
     request_id: str
-    prompt: dict[str, Any]  # {"prompt_token_ids": [...]} plus "prompt" text when known
+    prompt: ProcessedPrompt
     params: SamplingParams
 
 
@@ -52,30 +54,14 @@ class Serving:
         self.engine = engine
         self.model_name = model_name
         self.max_sequences = max_sequences_per_request
-        self.llm = engine.engine
-        self.max_model_len = self.llm.scheduler_config.max_model_len
+        self.inputs = engine.input_processor
 
-    # -- request -> jobs --------------------------------------------------------------------
+    # -- request -> jobs (worker thread) ------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
-    def _params(self, fields: dict[str, Any], ids: list[int], max_tokens: int | None, kind: str) -> SamplingParams:
-        room = self.max_model_len - len(ids)
-        if max_tokens is None:
-            default = self.llm.generation_defaults.get("max_tokens")
-            max_tokens = room if default is None else min(room, default)
-        elif isinstance(max_tokens, int) and max_tokens >= 1 and len(ids) + max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the {kind}, "
-                                f"{max_tokens} in the completion). Please reduce the length of the {kind} "
-                                "or completion.", "max_tokens")
-        try:
-            return SamplingParams(**fields, max_tokens=max_tokens)
-        except ValueError as exc:
-            raise bad_request(exc) from None
-
-    def _jobs(self, base_id: str, prompts: list[dict[str, Any]], fields: dict[str, Any],
+    def _jobs(self, base_id: str, prompts: list[ProcessedPrompt], fields: dict[str, Any],
               max_tokens: int | None, kind: str) -> list[Job]:
         if not prompts:
             raise APIError(400, "prompt must not be empty", "prompt")
@@ -85,12 +71,12 @@ class Serving:
         jobs = []
         for i, prompt in enumerate(prompts):
             try:
-                self.llm.validate(prompt["prompt_token_ids"], SamplingParams())
+                self.inputs.validate_prompt(prompt.token_ids)
+                resolved = self.inputs.resolve_max_tokens(max_tokens, len(prompt.token_ids), kind)
+                params = SamplingParams(**fields, max_tokens=resolved)
+                self.inputs.validate(prompt.token_ids, params)
             except ValueError as exc:
                 raise bad_request(exc) from None
-            params = self._params(fields, prompt["prompt_token_ids"], max_tokens, kind)
-            if params.stop and self.llm.tokenizer is None:
-                raise APIError(400, "stop strings need a tokenizer; this model has none", "stop")
             jobs.append(Job(base_id if len(prompts) == 1 else f"{base_id}-{i}", prompt, params))
         return jobs
 
@@ -103,35 +89,66 @@ class Serving:
         raw = req.prompt
         if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
             raw = [raw]
-        prompts = []
-        for p in raw:
-            try:
-                text, ids = self.llm.tokenize_prompt(p if isinstance(p, str) else {"prompt_token_ids": p})
-            except ValueError as exc:
-                raise bad_request(exc) from None
-            prompts.append({"prompt": text, "prompt_token_ids": ids} if text is not None
-                           else {"prompt_token_ids": ids})
-        fields = req.sampling_fields(self.llm.generation_defaults)
+        try:
+            prompts = [self.inputs.process_prompt(p if isinstance(p, str) else {"prompt_token_ids": p}) for p in raw]
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        fields = req.sampling_fields(self.inputs.generation_defaults)
         fields["logprobs"] = req.logprobs
         base = random_id("cmpl")
-        return base, self._jobs(base, prompts, fields, req.max_tokens, "prompt")
+        jobs = self._jobs(base, prompts, fields, req.max_tokens, "prompt")
+        if req.echo:  # the echoed text of a token-id prompt is decoded here, off the event loop
+            jobs = [Job(j.request_id, ProcessedPrompt(self._prompt_text(j.prompt), j.prompt.token_ids), j.params)
+                    for j in jobs]
+        return base, jobs
 
     def chat_jobs(self, req: ChatCompletionRequest) -> tuple[str, list[Job]]:
         self.check_model(req.model)
-        tok = self.llm.tokenizer
-        if tok is None:
+        if self.inputs.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "when using top_logprobs, logprobs must be set to true", "top_logprobs")
         try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as exc:  # ValueError from validation, jinja errors from the template
+            prompt = self.inputs.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as exc:
             raise APIError(400, f"invalid messages: {exc}", "messages") from None
-        prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
-        fields = req.sampling_fields(self.llm.generation_defaults)
+        fields = req.sampling_fields(self.inputs.generation_defaults)
         fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
         base = random_id("chatcmpl")
         return base, self._jobs(base, [prompt], fields, req.requested_max_tokens, "messages")
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if self.inputs.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            try:
+                ids = self.inputs.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                              add_special_tokens=bool(req.add_special_tokens)).token_ids
+            except ValueError as exc:
+                raise APIError(400, f"invalid messages: {exc}", "messages") from None
+        else:
+            ids = self.inputs.tokenize(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": self.inputs.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        tok = self.inputs.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        vocab = self.inputs.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens must lie in [0, {vocab}), got {bad[0]}", "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    def _prompt_text(self, prompt: ProcessedPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        tok = self.inputs.tokenizer
+        return "" if tok is None else tok.decode(prompt.token_ids, skip_special_tokens=False)
 
     # -- running ---------------------------------------------------------------------------
     async def run(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -183,25 +200,26 @@ class Serving:
             n_prompt += len(out.prompt_token_ids)
             for c in out.outputs:
                 n_out += len(c.token_ids)
-                text = self._prompt_text(out) + c.text if req.echo else c.text
+                text = (out.prompt or "") + c.text if req.echo else c.text
                 choices.append({"index": i * req.n + c.index, "text": text,
-                                "logprobs": self.completion_logprobs(c, c.token_ids, 0),
+                                "logprobs": self.completion_logprobs(c.logprobs, c.token_ids, 0),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**envelope("text_completion", base, self.model_name), "choices": choices,
                 "usage": usage(n_prompt, n_out)}
 
     def chat_response(self, base: str, req: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any]:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.chat_logprobs(c, c.token_ids), "finish_reason": c.finish_reason,
+                    "logprobs": self.chat_logprobs(c.logprobs, c.token_ids), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in final.outputs]
         n_out = sum(len(c.token_ids) for c in final.outputs)
         return {**envelope("chat.completion", base, self.model_name), "choices": choices,
                 "usage": usage(len(final.prompt_token_ids), n_out)}
 
-    def completion_logprobs(self, c: CompletionOutput, ids: list[int], offset: int) -> dict[str, Any] | None:
-        if c.logprobs is None:
+    def completion_logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int], offset: int
+                            ) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs of `ids`, whose entries are `entries` (same length)."""
+        if entries is None:
             return None
-        entries = c.logprobs[len(c.logprobs) - len(ids):] if ids else []
         tokens, chosen, tops, offsets = [], [], [], []
         for token_id, entry in zip(ids, entries):
             name = self._token_name(token_id, entry)
@@ -212,10 +230,10 @@ class Serving:
             tops.append({self._token_name(t, entry): lp.logprob for t, lp in self._ranked(entry)})
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
-    def chat_logprobs(self, c: CompletionOutput, ids: list[int]) -> dict[str, Any] | None:
-        if c.logprobs is None:
+    def chat_logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int]) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs of `ids`, whose entries are `entries` (same length)."""
+        if entries is None:
             return None
-        entries = c.logprobs[len(c.logprobs) - len(ids):] if ids else []
         content = []
         for token_id, entry in zip(ids, entries):
             name = self._token_name(token_id, entry)
@@ -224,12 +242,6 @@ class Serving:
                                               "bytes": list(self._token_name(t, entry).encode())}
                                              for t, lp in self._ranked(entry)]})
         return {"content": content}
-
-    def _prompt_text(self, out: RequestOutput) -> str:
-        if out.prompt is not None:
-            return out.prompt
-        tok = self.llm.tokenizer
-        return "" if tok is None else tok.decode(out.prompt_token_ids, skip_special_tokens=False)
 
     @staticmethod
     def _ranked(entry: dict) -> list:
@@ -258,9 +270,9 @@ class Serving:
                         continue
                     text = c.delta_text
                     if req.echo and index not in started:
-                        text = self._prompt_text(out) + text
+                        text = (out.prompt or "") + text
                     started.add(index)
-                    lp = self.completion_logprobs(c, c.delta_token_ids, offsets.get(index, 0))
+                    lp = self.completion_logprobs(c.delta_logprobs, c.delta_token_ids, offsets.get(index, 0))
                     if lp is not None:
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
                     choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
@@ -297,7 +309,7 @@ class Serving:
                                                                                       "content": ""},
                                                          "logprobs": None, "finish_reason": None}]})
                     choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                              "logprobs": self.chat_logprobs(c, c.delta_token_ids),
+                              "logprobs": self.chat_logprobs(c.delta_logprobs, c.delta_token_ids),
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     if c.finish_reason:
                         finished.add(c.index)

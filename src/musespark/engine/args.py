@@ -1,0 +1,158 @@
+"""`EngineArgs`: every engine knob, its default and its CLI flag, in one place.
+
+    args = EngineArgs(model="DIR", max_model_len=4096)      # or EngineArgs.from_cli_args(ns)
+    config = args.create_engine_config()                     # a frozen EngineConfig tree
+    engine = LLMEngine(config)
+
+Invariants:
+* A field's default here is the only default: `LLM(...)`, `musespark generate`, `serve` and
+  `bench` all take theirs from this table (a command may change a default, e.g. bench turns
+  prefix caching off; `add_cli_args(defaults=...)` says so where the command is built).
+* `None` means "derive it": `model` -> the bundled model, `max_model_len` -> the
+  checkpoint's limit capped at 4096, `max_num_batched_tokens` -> max(2048, min(len, 8192)).
+  `create_engine_config` resolves them, so an `EngineConfig` holds no `None` but the
+  optional ones (`kv_cache_memory`, `seed`).
+* The bundled model is package data (`musespark/models/musespark-tiny`, in the wheel too);
+  `$MUSESPARK_MODEL` overrides it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.loader import load_config
+from ..config import BACKENDS, CacheConfig, EngineConfig, ModelSettings, ParallelConfig, SchedulerConfig
+from ..errors import InvalidArgumentError
+
+DEFAULT_MODEL_ENV = "MUSESPARK_MODEL"
+BUNDLED_MODEL_NAME = "musespark-tiny"
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+def bundled_model_path() -> Path:
+    """Where the installed package keeps the bundled checkpoint (package data)."""
+    return Path(str(resources.files("musespark").joinpath("models", BUNDLED_MODEL_NAME)))
+
+
+def default_model_path() -> Path:
+    """$MUSESPARK_MODEL if set, else the bundled model."""
+    env = os.environ.get(DEFAULT_MODEL_ENV)
+    path = Path(env) if env else bundled_model_path()
+    if not (path / "config.json").is_file():
+        raise InvalidArgumentError(f"no model given and the default model {str(path)!r} is missing; pass "
+                                   f"model=DIR (or set {DEFAULT_MODEL_ENV})", param="model")
+    return path
+
+
+def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    return {"help": help, **argparse_kwargs}
+
+
+@dataclass
+class EngineArgs:
+    """Loose engine arguments; `metadata["cli"]` holds each one's argparse settings."""
+
+    model: str | Path | None = field(default=None, metadata={"cli": _flag(
+        "checkpoint directory (default: the bundled musespark-tiny)")})
+    dtype: Any = field(default="auto", metadata={"cli": _flag(
+        "weight and activation dtype ('auto': the checkpoint's)", choices=DTYPE_CHOICES)})
+    backend: str = field(default="auto", metadata={"cli": _flag(
+        "compute backend: torch (reference), cpu (native kernels), auto (the best available)",
+        choices=BACKENDS)})
+    max_model_len: int | None = field(default=None, metadata={"cli": _flag(
+        "longest sequence, prompt plus output (default: the checkpoint's limit, at most 4096)", type=int)})
+    max_num_seqs: int = field(default=64, metadata={"cli": _flag(
+        "most sequences in one step", type=int)})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"cli": _flag(
+        "most tokens in one step (default: max(2048, min(max_model_len, 8192)))", type=int)})
+    block_size: int = field(default=16, metadata={"cli": _flag("tokens per KV cache block", type=int)})
+    kv_cache_memory: int | None = field(default=None, metadata={"cli": _flag(
+        "KV cache size in bytes (default: a fraction of available memory)", type=int)})
+    kv_cache_fraction: float = field(default=0.2, metadata={"cli": _flag(
+        "fraction of available memory for the KV cache when --kv-cache-memory is not given", type=float)})
+    enable_prefix_caching: bool = field(default=True, metadata={"cli": _flag(
+        "reuse the KV blocks of shared prompt prefixes", action=argparse.BooleanOptionalAction)})
+    seed: int | None = field(default=0, metadata={"cli": _flag(
+        "seed of the engine's generator, used by requests without their own seed", type=int)})
+
+    # -- the command line -------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_positional: bool = False,
+                     skip: Collection[str] = (), defaults: Mapping[str, Any] | None = None) -> None:
+        """Add one flag per field (`--max-model-len` for `max_model_len`). `model_positional`
+        makes MODEL an optional positional (vLLM's `serve MODEL`); `skip` leaves fields out;
+        `defaults` changes a default for this command."""
+        defaults = dict(defaults or {})
+        unknown = (set(defaults) | set(skip)) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"EngineArgs has no field(s) {sorted(unknown)}")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            kwargs = dict(f.metadata["cli"])
+            kwargs["default"] = defaults.get(f.name, f.default)
+            if f.name == "model" and model_positional:
+                parser.add_argument("model", nargs="?", metavar="MODEL", **kwargs)
+            else:
+                parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """The fields `add_cli_args` added; the others keep their defaults."""
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+
+    # -- the frozen config ------------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the derived defaults (reads the checkpoint's config.json) and check every
+        value; raises ValueError (InvalidArgumentError where one argument is to blame)."""
+        path = Path(self.model) if self.model is not None else default_model_path()
+        checkpoint = load_config(path)
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = min(checkpoint.max_position_embeddings, 4096)
+        batched = self.max_num_batched_tokens
+        if batched is None and isinstance(max_len, int):
+            batched = max(2048, min(max_len, 8192))
+        return EngineConfig(
+            model=ModelSettings(path=path, dtype=self.dtype, backend=self.backend, seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                              kv_cache_fraction=self.kv_cache_fraction,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=batched),
+            parallel=ParallelConfig(),
+        )
+
+
+# Where each EngineArgs field lands in an EngineConfig (section, attribute).
+_CONFIG_FIELD = {
+    "model": ("model", "path"), "dtype": ("model", "dtype"), "backend": ("model", "backend"),
+    "seed": ("model", "seed"),
+    "max_model_len": ("scheduler", "max_model_len"), "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "block_size": ("cache", "block_size"), "kv_cache_memory": ("cache", "kv_cache_memory"),
+    "kv_cache_fraction": ("cache", "kv_cache_fraction"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+}
+
+
+def check_no_conflict(config: EngineConfig, loose: Mapping[str, Any]) -> None:
+    """Refuse loose arguments that contradict `config` (None means "not given"); the error
+    names both the config section and the argument."""
+    for name, value in loose.items():
+        if name not in _CONFIG_FIELD:
+            raise InvalidArgumentError(f"unknown engine argument {name!r}", param=name)
+        if value is None:
+            continue
+        section, attr = _CONFIG_FIELD[name]
+        have = getattr(getattr(config, section), attr)
+        same = Path(value) == have if name == "model" else value == have
+        if not same:
+            raise InvalidArgumentError(
+                f"config.{section}.{attr}={have!r} conflicts with {name}={value!r}; give one of them", param=name)

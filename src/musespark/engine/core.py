@@ -1,0 +1,129 @@
+"""The engine core: scheduler + model runner; token ids in, token ids out.
+
+One `step()` = schedule -> one flat model call -> sample -> update counters and token
+stops. It returns, per sequence that got new tokens, an `EngineCoreOutput` of plain lists
+(new token ids and, when asked, their logprobs) plus the finish state. No text, no
+`RequestOutput`: detokenization, stop strings, logprob objects and `n > 1` fan-in are the
+output processor's.
+
+Invariants:
+* The core owns the model (loaded here, with its backend chosen once), the runner (tensors:
+  weights and KV cache) and the scheduler (requests and the KV cache manager).
+* Every request holds a `torch.Generator` when it samples: its own seed if it has one, else
+  a seed drawn from the engine's generator (seeded with `ModelSettings.seed`), so unseeded
+  sampling is reproducible run to run and no global RNG is touched.
+* Work per step is proportional to the tokens computed this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig
+from ..model.load import load_model
+from ..sampling_params import SamplingParams
+from .model_runner import ModelRunner, TokenLogprobs
+from .request import Request
+from .scheduler import Scheduler
+
+_SEED_BOUND = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one sequence: new ids, their logprobs if asked, finish state."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None  # one (chosen, top ids, top logprobs) per new token
+    finish_reason: str | None = None  # "stop" | "length"; None while running
+    stop_reason: str | int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A read-only snapshot of the engine's counters (for /metrics and /health)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks held by requests
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which were found
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, extra_eos_token_ids: Iterable[int] = (),
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.config = config
+        settings, sched = config.model, config.scheduler
+        self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=settings.backend)
+        self.eos_token_ids = frozenset(self.model.config.eos_token_id) | frozenset(extra_eos_token_ids)
+        self.runner = ModelRunner(self.model, config.cache, sched.max_model_len, sched.max_num_seqs)
+        self.scheduler = Scheduler(sched, config.cache, self.runner.num_blocks, self.runner.layout.group_windows)
+        self._seeds = torch.Generator()  # CPU: draws one seed per unseeded sampled request
+        if settings.seed is None:
+            self._seeds.seed()
+        else:
+            self._seeds.manual_seed(settings.seed)
+        self.num_steps = 0
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue one sequence (the prompt is already validated)."""
+        limit = self.config.scheduler.max_model_len
+        max_tokens = limit - len(prompt_token_ids) if params.max_tokens is None else params.max_tokens
+        seed = params.seed
+        if seed is None and not params.greedy:
+            seed = int(torch.randint(_SEED_BOUND, (), generator=self._seeds))
+        generator = None if seed is None else torch.Generator(device=self.model.device).manual_seed(seed)
+        self.scheduler.add(Request(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                                   max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, generator=generator))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish with reason "abort" and free blocks at once; unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            self.scheduler.abort(request_id)
+
+    def finish_requests(self, finished: Iterable[tuple[str, str]]) -> None:
+        """Finish (request id, stop string) pairs the output processor found; frees their blocks."""
+        for request_id, stop in finished:
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.scheduler.finish_request(request, "stop", stop)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("scheduler made no progress with nothing running (KV cache too small?)")
+            return []
+        out = self.runner.execute(batch)
+        self.num_steps += 1
+        self.scheduler.update(batch, out.sampled)
+        outputs = []
+        for request in batch.requests:
+            token = out.sampled.get(request.request_id)
+            if token is None:  # a prefill chunk that did not reach the end of the prompt
+                continue
+            lp = out.logprobs.get(request.request_id)
+            outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[token], new_logprobs=None if lp is None else [lp],
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache_manager
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                           kv_usage=kv.usage(), prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+                           num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)

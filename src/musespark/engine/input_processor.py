@@ -1,0 +1,149 @@
+"""The input processor: what a request's prompt and parameters become before the engine.
+
+One place for prompt validation, tokenization, chat rendering, the checkpoint's
+generation defaults (`generation_config.json`) and the `max_tokens` default; `LLM`, the
+CLI and the server all call it.
+
+Invariants:
+* Read-only after construction, so it is safe to call from several threads at once (the
+  server tokenizes and renders chats in worker threads while the engine thread steps).
+* Every refusal is an `InvalidArgumentError` naming the argument (`prompt`,
+  `prompt_token_ids`, `messages`, `max_tokens`, `stop`) or None, raised before any work.
+* A `ProcessedPrompt` that passed `validate` is safe for the engine: non-empty, shorter
+  than `max_model_len`, every id inside the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from ..sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+# generation_config.json key -> SamplingParams field (vLLM's mapping).
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def load_generation_defaults(path: Path) -> dict[str, Any]:
+    """Sampling defaults from the checkpoint's generation_config.json (vLLM's behaviour)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError:
+        return {}
+    return {ours: data[theirs] for theirs, ours in _GENERATION_KEYS.items()
+            if theirs in data and data[theirs] is not None}
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt as the engine takes it: token ids, and the text when there was one."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 generation_defaults: Mapping[str, Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
+
+    # -- prompts ----------------------------------------------------------------------
+    def process_prompt(self, prompt: Any) -> ProcessedPrompt:
+        """A prompt is a string, {"prompt_token_ids": [...]} (with an optional "prompt"
+        text), {"prompt": str}, or an already processed prompt. Not yet validated."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgumentError(
+                    "this model has no tokenizer.json: give prompts as {'prompt_token_ids': [...]}", param="prompt")
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise InvalidArgumentError(f"prompt has unknown key(s) {sorted(unknown)}", param="prompt")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise InvalidArgumentError("prompt_token_ids must be a list of ints", param="prompt_token_ids")
+                return ProcessedPrompt(prompt.get("prompt"), list(ids))
+            if "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"])
+        raise InvalidArgumentError(
+            f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
+
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> ProcessedPrompt:
+        """Apply the checkpoint's chat template to one conversation, then encode it (no BOS
+        rule by default: the template spells its own)."""
+        if self.tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # ValueError from validation, jinja errors from the template
+            raise InvalidArgumentError(str(exc), param="messages") from exc
+        return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidArgumentError("this model has no tokenizer")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    # -- checks -------------------------------------------------------------------------
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        limit = self.max_model_len
+        if not token_ids:
+            raise InvalidArgumentError("prompt must not be empty", param="prompt")
+        if len(token_ids) >= limit:
+            raise InvalidArgumentError(
+                f"prompt is {len(token_ids)} tokens; max_model_len={limit} leaves no room to generate "
+                "(the prompt must be shorter than max_model_len)", param="prompt")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidArgumentError(f"prompt_token_ids must lie in [0, {self.vocab_size}), got {bad[0]}",
+                                       param="prompt_token_ids")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.validate_prompt(token_ids)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
+                                       param="stop")
+
+    # -- sampling parameters ----------------------------------------------------------------
+    def default_sampling_params(self, fallback_max_tokens: int | None = None, **overrides: Any) -> SamplingParams:
+        """vLLM's defaults, overridden by the checkpoint's generation_config.json, then by
+        `overrides` (None values ignored). `fallback_max_tokens` applies when neither the
+        checkpoint nor `overrides` sets max_tokens (None: SamplingParams' own default)."""
+        fields = dict(self.generation_defaults)
+        if fallback_max_tokens is not None:
+            fields.setdefault("max_tokens", fallback_max_tokens)
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**fields)
+
+    def resolve_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int, kind: str = "prompt") -> Any:
+        """The server's rule: unset -> the room left (capped by the checkpoint's default);
+        a valid request for more than the room is refused (vLLM's message). Anything else
+        is returned as is for SamplingParams to check."""
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            default = self.generation_defaults.get("max_tokens")
+            return room if default is None else min(room, default)
+        if isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {kind}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {kind} or completion.", param="max_tokens")
+        return max_tokens
