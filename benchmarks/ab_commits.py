@@ -8,7 +8,7 @@ the preset's random-weight checkpoint (made once and cached, `musespark.bench.pr
 bf16, warms up, then times `LLM.generate` (greedy, ignore_eos, prefix caching off) for:
   b1  one request, 128-token prompt, 128 new tokens
   b8  8 requests of 128 + 128 at once
-The two trees alternate (old, new, old, new, ...); each case's figure is output tokens per
+The two trees alternate (old new, new old, old new, ...); each case's figure is output tokens per
 second over the whole generate call, and the ratio new/old is computed pair by pair and
 summarised by the median (> 1: the new tree is faster). Prints one JSON line last.
 """
@@ -28,7 +28,9 @@ CASES = {"b1": (1, 128, 128), "b8": (8, 128, 128)}  # requests, prompt tokens, n
 CHILD = r'''
 import json, random, sys, time
 sys.path.insert(0, sys.argv[1])
-import torch
+import os
+import musespark
+assert os.path.realpath(musespark.__file__).startswith(os.path.realpath(sys.argv[1])), musespark.__file__
 from musespark import LLM, SamplingParams
 from musespark.bench.presets import resolve_model
 path = resolve_model(None, sys.argv[2], "bfloat16", None, seed=0)
@@ -65,7 +67,10 @@ def main() -> None:
     cases = {c: CASES[c] for c in args.cases.split(",")}
     pairs = []
     for i in range(args.pairs):
-        old, new = run(args.old, args.preset, cases), run(args.new, args.preset, cases)
+        if i % 2 == 0:  # alternate which tree goes first, so neither always gets the warmer machine
+            old, new = run(args.old, args.preset, cases), run(args.new, args.preset, cases)
+        else:
+            new, old = run(args.new, args.preset, cases), run(args.old, args.preset, cases)
         pairs.append({"old": old, "new": new})
         print(f"pair {i}: " + "  ".join(f"{c} old {old[c]:.1f} new {new[c]:.1f} tok/s ({new[c] / old[c]:.3f}x)"
                                         for c in cases), flush=True)

@@ -38,7 +38,7 @@ def paged_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Ten
     kv = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
           for _ in range(cfg.num_hidden_layers)]
     table = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))[None, :]
-    ids, done, out, logits = list(prompt), 0, [], []
+    ids, done, logits = list(prompt), 0, []
     half = len(prompt) // 2
     with torch.inference_mode():
         for step in range(n + 1):

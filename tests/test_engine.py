@@ -5,10 +5,9 @@ small enough to force preemption."""
 import pytest
 import torch
 
+from conftest import save_random_checkpoint
 from musespark import LLM, SamplingParams
-from musespark.checkpoint import save_checkpoint
 from musespark.config import ModelConfig
-from musespark.model import MuseSparkForCausalLM, init_random_weights
 
 CFG = ModelConfig(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -21,11 +20,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model = MuseSparkForCausalLM(CFG)
-    init_random_weights(model, seed=21)
-    path = tmp_path_factory.mktemp("engine_ckpt")
-    save_checkpoint(model.state_dict(), CFG, path, dtype=torch.float32)
-    return path
+    return save_random_checkpoint(tmp_path_factory.mktemp("engine_ckpt"), CFG, seed=21)
 
 
 @pytest.fixture(scope="module")

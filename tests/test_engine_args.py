@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import save_random_checkpoint
 from musespark import LLM, SamplingParams
-from musespark.checkpoint import save_checkpoint
 from musespark.cli import build_parser
 from musespark.config import EngineConfig, ModelSettings, ParallelConfig, SchedulerConfig
 from musespark.engine.args import EngineArgs, bundled_model_path
 from musespark.engine.llm_engine import LLMEngine
 from musespark.errors import InvalidArgumentError
-from musespark.model import MuseSparkForCausalLM, init_random_weights
 from test_engine import CFG
 
 ENGINE_FLAGS = ["--dtype", "--backend", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
@@ -91,11 +90,7 @@ def test_sampling_errors_name_their_parameter(kwargs, name):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model = MuseSparkForCausalLM(CFG)
-    init_random_weights(model, seed=3)
-    path = tmp_path_factory.mktemp("args_ckpt")
-    save_checkpoint(model.state_dict(), CFG, path, dtype=torch.float32)
-    return path
+    return save_random_checkpoint(tmp_path_factory.mktemp("args_ckpt"), CFG, seed=3)
 
 
 def test_unseeded_sampling_uses_the_engine_seed_not_the_global_rng(checkpoint):

@@ -4,18 +4,14 @@ token-id prompts)."""
 import pytest
 import torch
 
+from conftest import save_random_checkpoint
 from musespark import LLM, SamplingParams
-from musespark.checkpoint import save_checkpoint
-from musespark.model import MuseSparkForCausalLM, init_random_weights
 from test_engine import CFG
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    model = MuseSparkForCausalLM(CFG)
-    init_random_weights(model, seed=8)
-    path = tmp_path_factory.mktemp("api_ckpt")
-    save_checkpoint(model.state_dict(), CFG, path, dtype=torch.float32)
+    path = save_random_checkpoint(tmp_path_factory.mktemp("api_ckpt"), CFG, seed=8)
     return LLM(model=path, dtype="float32", max_model_len=96, block_size=4)
 
 

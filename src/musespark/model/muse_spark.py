@@ -147,7 +147,7 @@ class MuseSparkForCausalLM(nn.Module):
         s = backend.embed(self, input_ids)  # fp32 stream
         rope: Rope = {}
         for layer in self.layers:
-            s = layer(s, positions, ctx, rope, backend, dtype)
+            s = layer.forward(s, positions, ctx, rope, backend, dtype)  # direct: no per-layer hook dispatch
         return backend.final_norm(self, s, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
