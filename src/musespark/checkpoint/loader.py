@@ -31,6 +31,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # converted to the dtype asked for
+_WIDENED = (torch.float32,)  # a fixed dtype any of _FLOATS converts to (fp32 gates, router, global scales)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig | None = None) -> torch.dtype:
     """`bfloat16` (default), `float16`, `float32`, or "auto" (the checkpoint's dtype if it is one of those)."""
     if dtype is None:
@@ -120,9 +124,9 @@ def read_state_dict(
                     raise ValueError(f"{file}: tensor {disk_name!r} has shape {list(entry.shape)}, "
                                      f"expected {list(shapes[name])}")
                 fixed = specs[name].dtype
-                if fixed is not None and not fixed.is_floating_point and entry.dtype != fixed:
+                if fixed is not None and fixed not in _WIDENED and entry.dtype != fixed:  # packed codes, fp8 scales
                     raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected {fixed}")
-                if fixed is None and not entry.dtype.is_floating_point:
+                if (fixed is None or fixed in _WIDENED) and entry.dtype not in _FLOATS:
                     raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected a float type")
                 loaded[name] = st.read(disk_name, fixed or dtype).to(device)
                 where[name] = file

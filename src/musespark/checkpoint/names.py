@@ -43,9 +43,10 @@ def keeps_fp32(name: str) -> bool:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One checkpoint tensor a module needs: its shape and, when fixed by the format
-    (packed uint8 codes, fp8 scales, fp32 gates), its dtype. `dtype=None` means a float
-    tensor of any float dtype on disk, converted to the model dtype when read."""
+    """One checkpoint tensor a module needs: its shape and, when fixed by the format, its
+    dtype. `dtype=None`: any float dtype on disk, converted to the model dtype when read;
+    float32 (gates, router, global scales): any float dtype, widened to fp32; any other
+    dtype (packed uint8 codes, fp8-e4m3 block scales): exactly that dtype on disk."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None
