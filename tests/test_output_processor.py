@@ -7,6 +7,7 @@ step rebuilt the logprob entries of the whole completion: step k built ~6k Logpr
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -124,3 +125,47 @@ def test_engine_streaming_work_per_step_is_constant(llm, monkeypatch):
     # The first step also tokenizes the prompt; every later one is bounded by a constant.
     worst = max(per_step[1:])
     assert worst[0] <= MAX_DECODES_PER_STEP and worst[1] <= MAX_LOGPROBS_PER_STEP, worst
+
+
+TRANSCRIPT = (" to=self<|message|>Need weather.<|eom|><|start|>assistant to=get_weather<|message|>"
+              "<atem:function_calls>\n<atem:invoke name=\"get_weather\">\n"
+              "<atem:parameter name=\"city\">Paris</atem:parameter>\n"
+              "<atem:parameter name=\"days\">3</atem:parameter>\n</atem:invoke>\n</atem:function_calls>")
+
+
+def test_output_parser_runs_on_each_steps_delta_and_matches_the_whole_text():
+    """The output processor feeds each step's delta text to the request's parser: the streamed
+    deltas and the final message equal parsing the whole text at once (MUSE_CHAT §7 #2)."""
+    from musespark.parsers import MuseOutputParser, tool_schemas_from_openai
+
+    tokenizer = Tokenizer.from_dir(bundled_model_path())
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    ids = iter(range(1000))
+
+    def make() -> MuseOutputParser:
+        return MuseOutputParser(reasoning=True, tools=True, tool_names=tool_schemas_from_openai(tools),
+                                id_factory=lambda: f"call-{next(ids)}")
+
+    processor = OutputProcessor(tokenizer)
+    tokens = tokenizer.encode(TRANSCRIPT, add_special_tokens=False)
+    params = SamplingParams(max_tokens=len(tokens), skip_special_tokens=False)
+    processor.add_request("r", "p", [1, 2, 3], params, ["r"], output_parser=make)
+    reasoning = content = ""
+    calls: dict[int, list[str]] = {}
+    for i, token in enumerate(tokens):
+        last = i == len(tokens) - 1
+        (out,) = processor.process_outputs([EngineCoreOutput(
+            "r", [token], None, finish_reason="stop" if last else None)]).request_outputs
+        d = out.outputs[0].delta_parsed
+        reasoning, content = reasoning + d.reasoning, content + d.content
+        for t in d.tool_calls:
+            calls.setdefault(t.index, [t.name, ""])[1] += t.arguments
+    final = out.outputs[0]
+    assert final.text == TRANSCRIPT
+    want = make().parse(TRANSCRIPT, "stop")
+    assert final.parsed.reasoning == want.reasoning == reasoning == "Need weather."
+    assert final.parsed.content is None and content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in final.parsed.tool_calls] == \
+        [(name, json.loads(args)) for name, args in calls.values()] == [("get_weather", {"city": "Paris", "days": 3})]
+    assert final.num_reasoning_tokens > 0

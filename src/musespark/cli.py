@@ -1,9 +1,11 @@
 """The `musespark` command line.
 
     musespark generate [--model DIR] [--max-tokens N] [--temperature T] [--top-p P]
-                       [--seed S] [--chat] PROMPT...
+                       [--seed S] [--chat [--chat-template FILE] [--chat-template-kwargs JSON]] PROMPT...
 
-    musespark serve [MODEL] [--host H] [--port P] [--api-key KEY] [--served-model-name NAME] ...
+    musespark serve [MODEL] [--host H] [--port P] [--api-key KEY] [--served-model-name NAME]
+                    [--chat-template FILE] [--default-chat-template-kwargs JSON]
+                    [--reasoning-effort-map JSON] ...
 
     musespark bench latency|throughput [--model DIR | --preset NAME] [--dtype D] ...
     musespark bench serve [--base-url URL] [--num-prompts N] [--request-rate R] ...
@@ -41,9 +43,26 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", dest="request_seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    p.add_argument("--chat-template", default=None, help="with --chat: a Jinja chat template file (or the "
+                   "template itself) replacing the checkpoint's")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="with --chat: extra template kwargs, a JSON object (e.g. '{\"reasoning_strength\": \"low\"}')")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """vLLM's rule: a value holding any of "{}\n" is the template itself; else it names a file."""
+    if value is None or any(c in value for c in "{}\n"):
+        return value
+    from pathlib import Path
+
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template: no such file {value!r}")
+    return path.read_text(encoding="utf-8")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from .engine.chat import parse_template_kwargs
     from .engine.llm import LLM
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)), show_progress=True)
@@ -51,11 +70,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     params = processor.default_sampling_params(
         fallback_max_tokens=GENERATE_MAX_TOKENS, max_tokens=args.max_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.request_seed)
+    template = load_chat_template(args.chat_template)
+    template_kwargs = parse_template_kwargs(args.chat_template_kwargs, "--chat-template-kwargs")
     for i, prompt in enumerate(args.prompts):
         if args.chat:
             if processor.tokenizer is None:
                 raise ValueError("--chat needs a model with a tokenizer and a chat template")
-            request = processor.render_chat([{"role": "user", "content": prompt}])
+            request = processor.render_chat([{"role": "user", "content": prompt}], chat_template=template,
+                                            chat_template_kwargs=template_kwargs)
         else:
             request = prompt
         if len(args.prompts) > 1:
@@ -83,7 +105,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send "
                    "(default: MODEL as given, or the bundled model's directory name)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or the template "
-                   "itself) replacing the checkpoint's")
+                   "itself) replacing the checkpoint's (chat_template.jinja, else tokenizer_config.json's)")
+    p.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="template kwargs for every chat request, a JSON object; a request's "
+                   "chat_template_kwargs and fields override them (e.g. '{\"reasoning_strength\": \"low\"}')")
+    p.add_argument("--reasoning-effort-map", default=None, metavar="JSON",
+                   help="a JSON object mapping reasoning_effort values (none, minimal, low, medium, high, xhigh, "
+                   "max) to the value the template receives as reasoning_effort and reasoning_strength "
+                   "(default: identity)")
     p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     p.add_argument("--uvicorn-log-level", default="info",
@@ -92,24 +121,26 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     import logging
-    from pathlib import Path
 
+    from .engine.chat import compile_template, parse_reasoning_effort_map, parse_template_kwargs
     from .engine.llm_engine import LLMEngine
     from .server.api import ServerConfig, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MUSESPARK_API_KEY") or None
+    template = load_chat_template(args.chat_template)
+    # Check the chat flags before loading weights (ServerConfig checks them again).
+    default_kwargs = parse_template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
+    effort_map = parse_reasoning_effort_map(args.reasoning_effort_map)
+    if template is not None:
+        compile_template(template)
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
-    if args.chat_template is not None:
-        if engine.tokenizer is None:
-            raise ValueError("--chat-template needs a model with a tokenizer")
-        path = Path(args.chat_template)
-        engine.tokenizer.set_chat_template(path.read_text(encoding="utf-8") if path.is_file()
-                                           else args.chat_template)
-        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])  # fail now, not per request
+    if template is not None and engine.tokenizer is None:
+        raise ValueError("--chat-template needs a model with a tokenizer")
     name = args.served_model_name or args.model or engine.model_path.name
     config = ServerConfig(model_name=name, api_key=api_key, max_request_body_bytes=args.max_request_body_bytes,
-                          log_requests=not args.disable_log_requests)
+                          log_requests=not args.disable_log_requests, chat_template=template,
+                          default_chat_template_kwargs=default_kwargs, reasoning_effort_map=effort_map)
     return serve(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 
 

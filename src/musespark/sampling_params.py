@@ -4,6 +4,12 @@ Field meanings follow vLLM's `SamplingParams`; only the fields this engine honou
 Every field is checked in `__post_init__`; a bad value raises `InvalidArgumentError` (a
 ValueError) whose message names the argument and the value and whose `.param` is the field
 name. `stop` and `stop_token_ids` are normalized to lists.
+
+Logit controls (vLLM's names and meanings): `logit_bias` {token id: bias in [-100, 100]} is
+added to the logits; `allowed_token_ids` gives every other token -inf; `bad_words` bans the
+last token of a word's token sequence whenever the output so far ends with the rest of it
+(a one-token word is always banned). Out-of-vocabulary ids are refused by
+`InputProcessor.validate`, which also tokenizes `bad_words` (`update_from_tokenizer`).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidArgumentError
@@ -54,6 +60,12 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs besides the chosen token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # non-empty; every other token is banned
+    bad_words: list[str] | None = None  # banned words (see the module docstring)
+    # Set by `update_from_tokenizer` (vLLM's private field of the same name): the token
+    # sequences that `bad_words` ban. A field, so `dataclasses.replace` (n > 1 children) keeps it.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Over 60 lines on purpose: one check per field, in field order, so every rule and
@@ -140,6 +152,62 @@ class SamplingParams:
             if not _is_int(lp) or lp < 0:
                 raise _bad("logprobs", lp, "None or an int >= 0")
             set_("logprobs", int(lp))
+
+        self._check_logit_controls()
+
+    def _check_logit_controls(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise _bad("logit_bias", bias, "None or a dict {token id: bias}")
+            for k, v in bias.items():
+                if not _is_int(k) or k < 0:
+                    raise _bad("logit_bias", bias, f"a dict with int token ids >= 0 as keys (got key {k!r})")
+                if not _is_real(v) or not (-100.0 <= v <= 100.0):
+                    raise _bad("logit_bias", bias, f"a dict with biases in [-100, 100] (got {v!r} for {k})")
+            set_("logit_bias", {int(k): float(v) for k, v in bias.items()} or None)
+
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+                raise _bad("allowed_token_ids", ids, "None or a non-empty list of ints >= 0")
+            set_("allowed_token_ids", [int(i) for i in ids])
+
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise _bad("bad_words", words, "None or a list of strings that are not blank")
+            set_("bad_words", list(words) or None)
+
+        seqs = self._bad_words_token_ids
+        if seqs is not None:
+            if not isinstance(seqs, (list, tuple)) or not all(
+                    isinstance(s, (list, tuple)) and s and all(_is_int(t) and t >= 0 for t in s) for s in seqs):
+                raise _bad("bad_words", seqs, "tokenized as non-empty lists of ints >= 0")
+            set_("_bad_words_token_ids", [[int(t) for t in s] for s in seqs])
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` into `_bad_words_token_ids` as vLLM does: each word (left-
+        stripped) without and then with a leading space, `add_special_tokens=False`; the
+        spaced form counts only when it is a different token sequence of the same length
+        (a new word token, not the bare word split differently). Idempotent."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words or ():
+            for prefix in ("", " "):
+                ids = list(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if not ids:
+                    raise _bad("bad_words", word, "a word the tokenizer encodes to at least one token")
+                if not prefix or (ids[0] != seqs[-1][0] and len(ids) == len(seqs[-1])):
+                    seqs.append(ids)
+        object.__setattr__(self, "_bad_words_token_ids", seqs or None)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """True when the request adds to or masks the logits (logit_bias, allowed_token_ids,
+        tokenized bad_words); the sampler builds its bias tensor only for such rows."""
+        return bool(self.logit_bias or self.allowed_token_ids or self._bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,8 @@ Invariants:
 * Read-only after construction, so it is safe to call from several threads at once (the
   server tokenizes and renders chats in worker threads while the engine thread steps).
 * Every refusal is an `InvalidArgumentError` naming the argument (`prompt`,
-  `prompt_token_ids`, `messages`, `max_tokens`, `stop`) or None, raised before any work.
+  `prompt_token_ids`, `messages`, `tools`, `max_tokens`, `stop`, ...) or None, raised before
+  any work.
 * A `ProcessedPrompt` that passed `validate` is safe for the engine: non-empty, shorter
   than `max_model_len`, every id inside the vocabulary.
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..sampling_params import SamplingParams
+from . import chat
 from .tokenizer import Tokenizer
 
 # generation_config.json key -> SamplingParams field (vLLM's mapping).
@@ -85,14 +87,33 @@ class InputProcessor:
         raise InvalidArgumentError(
             f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
 
-    def render_chat(self, messages: Any, add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> ProcessedPrompt:
-        """Apply the checkpoint's chat template to one conversation, then encode it (no BOS
-        rule by default: the template spells its own)."""
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True, add_special_tokens: bool = False, *,
+                    tools: Any = None, documents: Any = None, chat_template: str | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False,
+                    reasoning_effort: str | None = None,
+                    default_chat_template_kwargs: Mapping[str, Any] | None = None,
+                    reasoning_effort_map: Mapping[str, str] | None = None) -> ProcessedPrompt:
+        """Apply the chat template (`chat_template`, else the checkpoint's) to one
+        conversation, then encode it (no BOS rule by default: the template spells its own).
+        Template kwargs, lowest precedence first: `default_chat_template_kwargs` (server-wide),
+        `chat_template_kwargs`, then the other arguments (engine/chat.py `template_kwargs`).
+        Refusals name `messages`, `tools`, `documents`, `reasoning_effort`, ..."""
         if self.tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            kwargs = chat.template_kwargs(
+                default_chat_template_kwargs, chat_template_kwargs, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                reasoning_effort=reasoning_effort, reasoning_effort_map=reasoning_effort_map)
+            for reserved in ("messages", "chat_template"):  # never template kwargs (vLLM drops them too)
+                kwargs.pop(reserved, None)
+            text = self.tokenizer.apply_chat_template(
+                messages, bool(kwargs.pop("add_generation_prompt", False)), tools=kwargs.pop("tools", None),
+                documents=kwargs.pop("documents", None),
+                continue_final_message=bool(kwargs.pop("continue_final_message", False)),
+                chat_template=chat_template, **kwargs)
+        except InvalidArgumentError:
+            raise
         except Exception as exc:  # ValueError from validation, jinja errors from the template
             raise InvalidArgumentError(str(exc), param="messages") from exc
         return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -121,6 +142,20 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
                                        param="stop")
+        # Logit controls: every token id inside the vocabulary; bad_words tokenized here
+        # (SamplingParams.update_from_tokenizer, as vLLM's processor does).
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise InvalidArgumentError("bad_words need a tokenizer; this model has none", param="bad_words")
+            params.update_from_tokenizer(self.tokenizer)
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for seq in params._bad_words_token_ids or () for t in seq])):
+            bad = sorted({t for t in ids if not 0 <= t < vocab})
+            if bad:
+                raise InvalidArgumentError(
+                    f"{name} has out-of-vocabulary token id(s) {bad[:8]}; the vocabulary is [0, {vocab})", param=name)
 
     # -- sampling parameters ----------------------------------------------------------------
     def default_sampling_params(self, fallback_max_tokens: int | None = None, **overrides: Any) -> SamplingParams:

@@ -103,11 +103,20 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        documents: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to one conversation (a list of messages)
-        or several, then generate."""
+        """vLLM's `LLM.chat`: render one conversation (a list of messages) or several with
+        `chat_template` (the template text; default: the checkpoint's) as HF's
+        apply_chat_template does, then generate. `chat_template_kwargs` are extra template
+        kwargs, overridden by `tools`, `documents`, `add_generation_prompt` and
+        `continue_final_message`. Everything is rendered and checked before anything runs."""
         processor = self.engine.input_processor
         if processor.tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
@@ -116,7 +125,10 @@ class LLM:
                 "messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)",
                 param="messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [processor.render_chat(list(conv), add_generation_prompt=add_generation_prompt)
+        prompts = [processor.render_chat(list(conv), add_generation_prompt=add_generation_prompt, tools=tools,
+                                         documents=documents, chat_template=chat_template,
+                                         chat_template_kwargs=chat_template_kwargs,
+                                         continue_final_message=continue_final_message)
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -22,6 +22,7 @@ from ..checkpoint.loader import load_config
 from ..config import EngineConfig, ModelConfig
 from ..errors import InvalidArgumentError
 from ..model.muse_spark import MuseSparkForCausalLM
+from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
 from .args import EngineArgs, check_no_conflict
 from .core import EngineCore, EngineStats
@@ -80,13 +81,15 @@ class LLMEngine:
         return self.core.stats()
 
     # -- requests -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        """Queue a request (n sequences for params.n). Raises ValueError before any work."""
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                    output_parser: Callable[[], MuseOutputParser] | None = None) -> None:
+        """Queue a request (n sequences for params.n). Raises ValueError before any work.
+        `output_parser` makes one output parser per sequence (see `OutputProcessor`)."""
         processed: ProcessedPrompt = self.input_processor.process_prompt(prompt)
         self.input_processor.validate(processed.token_ids, params)
         children = child_requests(request_id, params)
         self.output_processor.add_request(request_id, processed.text, processed.token_ids, params,
-                                          [child_id for child_id, _ in children])
+                                          [child_id for child_id, _ in children], output_parser)
         for child_id, child_params in children:
             self.core.add_request(child_id, processed.token_ids, child_params)
 

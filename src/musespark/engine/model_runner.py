@@ -22,7 +22,7 @@ import torch
 
 from ..config import CacheConfig, ModelConfig
 from ..layers.attention import AttentionContext, KVGroup
-from ..layers.sampler import SamplingBatch, sample
+from ..layers.sampler import LogitAdjustments, SamplingBatch, sample
 from ..model.muse_spark import MuseSparkForCausalLM
 from .block_pool import NULL_BLOCK, num_blocks_for_budget
 from .request import Request
@@ -141,16 +141,16 @@ class ModelRunner:
         batch = SamplingBatch.build(
             params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests], V,
             [r.generator for r in requests], device=logits.device)
-        mask = None
-        blocked = [(i, r) for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
-        if blocked:
-            mask = torch.zeros_like(logits, dtype=torch.bool)
-            for i, r in blocked:
+        # One additive [B, V] tensor for the whole batch (None unless some row asks): each
+        # request's logit_bias / allowed_token_ids / bad_words, and -inf on the stop ids of
+        # rows still short of min_tokens.
+        adjust = LogitAdjustments(len(requests), V, logits.device)
+        for i, r in enumerate(requests):
+            adjust.add_request(i, r.params, r.output_token_ids)
+            if len(r.output_token_ids) < r.params.min_tokens:
                 stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
-                ids = [t for t in stop_ids if 0 <= t < V]
-                if ids:
-                    mask[i, ids] = True
-        result = sample(logits, batch, mask)
+                adjust.forbid(i, sorted(stop_ids))
+        result = sample(logits, batch, logit_adjust=adjust.tensor)
         tokens = result.token_ids.tolist()
         chosen = result.logprobs.tolist()
         top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None

@@ -12,14 +12,18 @@ Invariants:
 * A parent is here from `add_request` until all its sequences finished (or it is
   aborted); its sequences' finish reasons are final once set.
 * A stop string beats a token stop found in the same step (the text is cut at it).
+* An output parser (`musespark.parsers`, one per sequence, made by the request's factory)
+  sees exactly the delta text the client would, so its deltas aggregate to the final
+  message; it is fed O(new text) per step and flushed when the sequence finishes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..errors import InvalidArgumentError
+from ..parsers import MuseOutputParser, ParsedDelta, ParsedMessage, ReasoningTokenCounter, assemble
 from ..sampling_params import SamplingParams
 from .core import EngineCoreOutput
 from .detokenizer import IncrementalDetokenizer
@@ -48,6 +52,10 @@ class _Sequence:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    parser: MuseOutputParser | None = None
+    parsed_deltas: list[ParsedDelta] = field(default_factory=list)
+    message: ParsedMessage | None = None  # the deltas assembled, once, when the sequence finishes
+    reasoning_counter: ReasoningTokenCounter | None = None
 
 
 @dataclass
@@ -77,7 +85,10 @@ class OutputProcessor:
         self._token_text: dict[int, str] = {}  # token id -> decoded text, for Logprob.decoded_token
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: Sequence[str]) -> None:
+                    params: SamplingParams, child_ids: Sequence[str],
+                    output_parser: Callable[[], MuseOutputParser] | None = None) -> None:
+        """`output_parser` makes one parser per sequence (it needs the text with special
+        tokens: pass params with skip_special_tokens=False)."""
         if request_id in self._parents:
             raise InvalidArgumentError(f"request_id {request_id!r} is already in use", param="request_id")
         seqs = []
@@ -87,8 +98,11 @@ class OutputProcessor:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
             asked = params.logprobs is not None
-            seqs.append(_Sequence(i, child_id, detok, logprobs=[] if asked else None,
-                                  cumulative_logprob=0.0 if asked else None))
+            seq = _Sequence(i, child_id, detok, logprobs=[] if asked else None,
+                            cumulative_logprob=0.0 if asked else None)
+            if output_parser is not None:
+                seq.parser, seq.reasoning_counter = output_parser(), ReasoningTokenCounter()
+            seqs.append(seq)
         parent = _Parent(request_id, prompt, prompt_token_ids, seqs)
         self._parents[request_id] = parent
         for seq in seqs:
@@ -131,7 +145,9 @@ class OutputProcessor:
         for seq in parent.seqs:
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
-                deltas[seq.index] = (self._flush(seq), [], [] if seq.logprobs is not None else None)
+                text = self._flush(seq)
+                self._parse(seq, text)
+                deltas[seq.index] = (text, [], [] if seq.logprobs is not None else None)
         self._drop(parent)
         return self._request_output(parent, deltas)
 
@@ -159,7 +175,26 @@ class OutputProcessor:
             text += self._flush(seq)
         elif text:
             seq.text += text
+        if seq.reasoning_counter is not None:
+            for t in new_ids:
+                seq.reasoning_counter.add(self._decode1(t) or "")
+        self._parse(seq, text)
         return text, list(new_ids), new_entries
+
+    @staticmethod
+    def _parse(seq: _Sequence, text: str) -> None:
+        """Feed the step's delta text to the sequence's parser (flushing it at the end)."""
+        if seq.parser is None:
+            return
+        delta = seq.parser.feed(text) if text else ParsedDelta()
+        if seq.finish_reason is not None:
+            tail = seq.parser.finish(seq.finish_reason)
+            delta = ParsedDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
+                                delta.tool_calls + tail.tool_calls)
+            seq.parsed_deltas.append(delta)
+            seq.message = assemble(seq.parsed_deltas)
+            return
+        seq.parsed_deltas.append(delta)
 
     def _flush(self, seq: _Sequence) -> str:
         """A finished sequence's held-back text; its final text is the detokenizer's."""
@@ -192,10 +227,16 @@ class OutputProcessor:
             delta_text, delta_ids, delta_lps = deltas.get(seq.index, ("", [], None))
             if delta_lps is None and seq.logprobs is not None:
                 delta_lps = []
-            completions.append(CompletionOutput(
+            completion = CompletionOutput(
                 index=seq.index, text=seq.text, token_ids=seq.token_ids, cumulative_logprob=seq.cumulative_logprob,
                 logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lps))
+                delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lps)
+            if seq.parser is not None:
+                completion.delta_parsed = seq.parsed_deltas[-1] if seq.index in deltas and seq.parsed_deltas \
+                    else ParsedDelta()
+                completion.num_reasoning_tokens = seq.reasoning_counter.count
+                completion.parsed = seq.message
+            completions.append(completion)
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=completions,
                              finished=parent.finished, num_cached_tokens=parent.num_cached_tokens)

@@ -8,11 +8,16 @@ Invariants (the output processor builds these once per step, in O(new tokens)):
   or copy the lists you keep.
 * `text` is the completion's text as of this step; `delta_text` is what this step added.
 * A `Logprob` is built once per generated token and never rebuilt.
+* With an output parser (reasoning channels, tool calls), `delta_parsed` is what this step's
+  text parsed into and, once finished, `parsed` is the whole message (the aggregate of the
+  deltas, so streamed and non-streamed agree); `num_reasoning_tokens` counts as it goes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..parsers import ParsedDelta, ParsedMessage
 
 
 @dataclass
@@ -35,6 +40,10 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, Logprob]] | None = None
+    # Only with an output parser (see the module docstring).
+    delta_parsed: ParsedDelta | None = None
+    parsed: ParsedMessage | None = None
+    num_reasoning_tokens: int = 0
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -5,6 +5,10 @@ Reads a Hugging Face tokenizer directory without `transformers`:
 * tokenizer.json (required) — the fast tokenizer itself.
 * tokenizer_config.json (optional) — bos_token, eos_token (a str or a {"content": ...}
   dict), chat_template, add_bos_token.
+* chat_template.jinja (optional) — the chat template; as in transformers it wins over
+  tokenizer_config.json's `chat_template` key.
+
+Chat templates render as HF's apply_chat_template renders them (see engine/chat.py).
 
 BOS rule for `encode(text, add_special_tokens=True)` (invariant: the result starts with
 exactly one BOS iff BOS is wanted, unless the text itself spells BOS twice):
@@ -27,12 +31,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 import tokenizers
 
-CHAT_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+from . import chat
+from .chat import CHAT_ROLES
+
+__all__ = ["CHAT_ROLES", "Tokenizer", "validate_messages"]
 
 
 def _token_content(value: Any, field: str, path: Path) -> str | None:
@@ -48,61 +52,9 @@ def _token_content(value: Any, field: str, path: Path) -> str | None:
     )
 
 
-def _raise_exception(message: str) -> None:
-    # Templates call this to refuse a conversation they cannot render.
-    raise ValueError(f"chat template error: {message}")
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # transformers' override: keep non-ASCII text readable inside rendered prompts.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _content_text(content: Any, index: int) -> str:
-    """A message's content as one string: a str as is, text parts joined with "\\n"."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for j, part in enumerate(content):
-            if not (
-                isinstance(part, Mapping)
-                and part.get("type") == "text"
-                and isinstance(part.get("text"), str)
-            ):
-                raise ValueError(
-                    f"messages[{index}].content[{j}] must be a {{'type': 'text', 'text': str}} "
-                    f"part, got {part!r}"
-                )
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ValueError(
-        f"messages[{index}].content must be a str or a list of text parts, "
-        f"got {type(content).__name__}"
-    )
-
-
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check chat messages and return copies whose "content" is a plain str."""
-    if not isinstance(messages, list):
-        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    out: list[dict[str, Any]] = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
-        if "role" not in msg:
-            raise ValueError(f"messages[{i}] is missing the 'role' field")
-        role = msg["role"]
-        if role not in CHAT_ROLES:
-            raise ValueError(
-                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}"
-            )
-        if "content" not in msg:
-            raise ValueError(f"messages[{i}] is missing the 'content' field")
-        copy = dict(msg)
-        copy["content"] = _content_text(msg["content"], i)
-        out.append(copy)
-    return out
+    """Check chat messages and return the copies a template sees ("content" a plain str)."""
+    return chat.normalize_messages(messages)
 
 
 class Tokenizer:
@@ -138,7 +90,6 @@ class Tokenizer:
             bool(add_bos_token) if add_bos_token is not None else self.bos_token_id is not None
         ) and self.bos_token_id is not None
         self._post_processor_adds_bos = self._detect_post_processor_bos()
-        self._template: jinja2.Template | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] | None = None) -> Tokenizer:
@@ -167,6 +118,12 @@ class Tokenizer:
                 raise ValueError(f"{cfg_file} must hold a JSON object")
 
         template = cfg.get("chat_template")
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():  # transformers: the .jinja file wins over the config key
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"cannot read {jinja_file}: {e}") from e
         if isinstance(template, list):
             # The list form names several templates; the engine renders the default one.
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
@@ -230,31 +187,43 @@ class Tokenizer:
     # --- chat ---------------------------------------------------------------------------
 
     def set_chat_template(self, template: str | None) -> None:
-        """Replace the checkpoint's chat template (before serving; not thread-safe)."""
+        """Replace the checkpoint's chat template (before serving; not thread-safe).
+        Raises ValueError if it does not compile."""
+        if template is not None:
+            chat.compile_template(template)
         self.chat_template = template
-        self._template = None
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Render `messages` with the model's Jinja chat template (sandboxed)."""
-        if self.chat_template is None:
+        """Render `messages` with the model's Jinja chat template (or `chat_template`), as
+        HF's apply_chat_template does: sandboxed, the special tokens, then `kwargs`. Raises
+        InvalidArgumentError (a ValueError) naming `messages`, `tools`, ... on bad input or
+        a template exception."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ValueError(
-                "this model has no chat template (tokenizer_config.json has no chat_template)"
+                "this model has no chat template (neither chat_template.jinja nor a chat_template "
+                "key in tokenizer_config.json)"
             )
-        checked = validate_messages(messages)
-        return self._compiled_template().render(
-            messages=checked,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        kwargs.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                      tools=tools, documents=documents)
+        return chat.render(source, messages, kwargs, {"bos_token": self.bos_token or "",
+                                                      "eos_token": self.eos_token or ""})
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> list[int]:
         """Prompt ids for a chat: the rendered template, BOS only as the template spells it."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), False)
 
     # --- internals ----------------------------------------------------------------------
 
@@ -273,17 +242,3 @@ class Tokenizer:
         bare = self._backend.encode("a", add_special_tokens=False).ids
         full = self._backend.encode("a", add_special_tokens=True).ids
         return full[:1] == [self.bos_token_id] and full[1 : 1 + len(bare)] == bare
-
-    def _compiled_template(self) -> jinja2.Template:
-        if self._template is None:
-            assert self.chat_template is not None
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
-            env.globals["raise_exception"] = _raise_exception
-            env.filters["tojson"] = _tojson
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateSyntaxError as e:
-                raise ValueError(f"chat template does not compile: {e}") from e
-        return self._template

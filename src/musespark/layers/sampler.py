@@ -1,7 +1,10 @@
 """The sampler: one batched pass from fp32 logits [B, V] to one token per row.
 
-Order (vLLM's): penalties -> min_tokens mask -> greedy rows take argmax; the other rows
-divide by temperature, apply top-k, top-p, min-p, then draw.
+Order (vLLM's v1 sampler): the logit adjustments (allowed_token_ids, bad_words, the
+min_tokens stop mask, logit_bias: one additive [B, V] tensor, see `LogitAdjustments`) ->
+penalties -> greedy rows take argmax; the other rows divide by temperature, apply top-k,
+top-p, min-p, then draw. logit_bias is thus added before the penalties and before the
+temperature divides, as vLLM's logit-bias processor is.
 
 Drawing uses the exponential race: with q ~ Exponential(1) per token,
 argmax(probs / q) is a sample from probs. A seeded row draws its q (shape [V]) from
@@ -9,12 +12,14 @@ its own `torch.Generator`, so its tokens depend only on its seed, its logits and
 many steps the generator has already served — never on the rest of the batch.
 Unseeded rows draw from the global RNG.
 
-Reported logprobs are those of the raw logits (log_softmax before penalties and
-temperature), as vLLM reports by default.
+Reported logprobs are those of the raw logits (log_softmax before the adjustments,
+penalties and temperature), as vLLM reports by default (logprobs_mode="raw_logprobs"): a
+token forced by logit_bias reports the model's own logprob for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -139,6 +144,82 @@ def _token_counts(token_ids: list[list[int]], V: int, device: torch.device | str
     return counts
 
 
+class LogitAdjustments:
+    """One additive fp32 tensor [B, V] for the batch, added to the logits before penalties.
+
+    The representation is an additive bias, not a boolean mask: 0 = untouched, a finite
+    value = logit_bias, -inf = forbidden (allowed_token_ids, bad_words, the min_tokens stop
+    mask). It is allocated on the first row that asks and stays None otherwise, so a batch
+    where no request asks costs nothing. Every operation is commutative (adds, and -inf
+    absorbs), so rows may be filled in any order. Structured output reuses it: a per-row
+    boolean "allowed" bitmask [V] goes through `allow_only(row, mask)`, which sets -inf
+    wherever the mask is False.
+    """
+
+    def __init__(self, batch_size: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.batch_size, self.vocab_size, self.device = batch_size, vocab_size, device
+        self.tensor: torch.Tensor | None = None
+
+    def _get(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = torch.zeros(self.batch_size, self.vocab_size, dtype=torch.float32, device=self.device)
+        return self.tensor
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+
+    def forbid(self, row: int, ids: Sequence[int]) -> None:
+        """Token ids `ids` get -inf in `row` (ids outside [0, V) are ignored)."""
+        ids = [t for t in ids if 0 <= t < self.vocab_size]
+        if ids:
+            self._get()[row, self._ids(ids)] = float("-inf")
+
+    def allow_only(self, row: int, allowed: Sequence[int] | torch.Tensor) -> None:
+        """Every token but `allowed` (token ids, or a bool mask [V] with True = allowed)
+        gets -inf in `row`."""
+        t = self._get()
+        if isinstance(allowed, torch.Tensor) and allowed.dtype == torch.bool:
+            keep = allowed.to(t.device)
+        else:
+            keep = torch.zeros(self.vocab_size, dtype=torch.bool, device=t.device)
+            keep[self._ids([i for i in allowed if 0 <= i < self.vocab_size])] = True
+        t[row].masked_fill_(~keep, float("-inf"))
+
+    def add_bias(self, row: int, bias: dict[int, float]) -> None:
+        """Add bias[token] to `row`'s logit of each token (ids outside [0, V) are ignored)."""
+        items = [(t, b) for t, b in bias.items() if 0 <= t < self.vocab_size]
+        if items:
+            ids, vals = zip(*items)
+            self._get()[row].index_add_(0, self._ids(ids), torch.tensor(vals, dtype=torch.float32,
+                                                                        device=self.device))
+
+    def add_request(self, row: int, params: SamplingParams, output_token_ids: Sequence[int]) -> None:
+        """The request's logit_bias, allowed_token_ids and bad_words (none: no work)."""
+        if not params.has_logit_controls:
+            return
+        if params.allowed_token_ids:
+            self.allow_only(row, params.allowed_token_ids)
+        if params._bad_words_token_ids:
+            self.forbid(row, banned_by_bad_words(params._bad_words_token_ids, output_token_ids))
+        if params.logit_bias:
+            self.add_bias(row, params.logit_bias)
+
+
+def banned_by_bad_words(bad_words_token_ids: list[list[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """vLLM's rule: a bad word's last token is banned when the output so far ends with the
+    word's other tokens (always, for a one-token word; never while the output is shorter
+    than those other tokens)."""
+    banned = []
+    n = len(output_token_ids)
+    for seq in bad_words_token_ids:
+        prefix = len(seq) - 1
+        if prefix > n:
+            continue
+        if prefix == 0 or list(output_token_ids[n - prefix:]) == seq[:-1]:
+            banned.append(seq[-1])
+    return banned
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
@@ -207,20 +288,23 @@ def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
     min_tokens_mask: torch.Tensor | None = None,
+    logit_adjust: torch.Tensor | None = None,
 ) -> SamplerOutput:
     """Pick one token per row. logits: [B, V] fp32 (not modified).
     min_tokens_mask: [B, V] bool, True = token forbidden this step (e.g. EOS before min_tokens).
+    logit_adjust: [B, V] fp32 added to the logits first (`LogitAdjustments.tensor`: logit_bias,
+    -inf for banned tokens); greedy and sampled rows both see it.
     """
     B, V = logits.shape
     if B != batch.batch_size:
         raise ValueError(f"logits have {B} rows but the batch has {batch.batch_size}")
     raw = logits.float()
 
-    x = raw.clone()
-    if batch.need_penalties:
-        x = apply_penalties(x, batch)
+    x = raw.clone() if logit_adjust is None else raw + logit_adjust
     if min_tokens_mask is not None:
         x = x.masked_fill(min_tokens_mask, float("-inf"))
+    if batch.need_penalties:  # -inf stays -inf: a banned token is never revived
+        x = apply_penalties(x, batch)
 
     token_ids = x.argmax(dim=-1)  # [B]; final for greedy rows
     if not batch.all_greedy:

@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from ..engine.chat import compile_template, parse_reasoning_effort_map, parse_template_kwargs
 from ..engine.llm_engine import LLMEngine
 from .async_engine import AsyncEngine, EngineDeadError
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from .serving import APIError, Serving
+from .serving import APIError, ChatSettings, Serving
 
 logger = logging.getLogger("musespark.server")
 
@@ -44,12 +45,28 @@ class ServerConfig:
     max_sequences_per_request: int = 256  # prompts x n in one request
     log_requests: bool = True
     graceful_shutdown_s: int = 30
+    # Chat templates: the template text (None: the checkpoint's), the lowest-precedence
+    # template kwargs, and reasoning_effort -> template value (unlisted efforts unchanged).
+    chat_template: str | None = None
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    reasoning_effort_map: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.chat_template is not None:
+            compile_template(self.chat_template)  # a template that does not compile fails now
+        parse_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
+        parse_reasoning_effort_map(self.reasoning_effort_map)
+
+    def chat_settings(self) -> ChatSettings:
+        return ChatSettings(
+            chat_template=self.chat_template,
+            default_chat_template_kwargs=parse_template_kwargs(self.default_chat_template_kwargs,
+                                                               "default_chat_template_kwargs"),
+            reasoning_effort_map=parse_reasoning_effort_map(self.reasoning_effort_map))
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -202,7 +219,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app serving `engine`. (Over 60 lines on purpose: it is the route table, a few
     lines per route, and the server's whole surface reads best in one place.)"""
     async_engine = AsyncEngine(engine, config.model_name, log_requests=config.log_requests)
-    serving = Serving(async_engine, config.model_name, config.max_sequences_per_request)
+    serving = Serving(async_engine, config.model_name, config.max_sequences_per_request, config.chat_settings())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -259,6 +276,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             return JSONResponse(serving.chat_response(base, req, final))
 
         return await _until_disconnect(request, work())
+
+    @app.post("/v1/chat/completions/render")
+    async def chat_render(request: Request) -> dict[str, Any]:
+        req = await _parse(request, ChatCompletionRequest)
+        return await asyncio.to_thread(serving.render, req)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from ..engine.core import EngineStats
 from ..engine.input_processor import ProcessedPrompt
 from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import RequestOutput
+from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
 
@@ -96,7 +97,8 @@ class AsyncEngine:
         return self._stats
 
     # -- the coroutine side --------------------------------------------------------
-    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams
+    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                       output_parser: Callable[[], MuseOutputParser] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine produces them; leaving early
         aborts it. The prompt should be validated already (`input_processor.validate`);
@@ -104,7 +106,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), time.monotonic())
-        self._post(("add", (request_id, prompt, params, stream)))
+        self._post(("add", (request_id, prompt, params, output_parser, stream)))
         finished = False
         try:
             while True:
@@ -161,9 +163,10 @@ class AsyncEngine:
             else:
                 self._abort(payload)
 
-    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, stream: _Stream) -> None:
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+             output_parser: Callable[[], MuseOutputParser] | None, stream: _Stream) -> None:
         try:
-            self._engine.add_request(request_id, prompt, params)
+            self._engine.add_request(request_id, prompt, params, output_parser)
         except Exception as exc:
             _send(stream, exc)
             return

@@ -53,6 +53,12 @@ class _SamplingRequest(_Request):
     min_tokens: StrictInt = 0
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # Logit controls. OpenAI sends logit_bias keys as strings ({"50256": -100}): an int key
+    # type parses them (a non-integer key is a 400 naming logit_bias); ranges and the
+    # vocabulary are checked by SamplingParams and InputProcessor.validate.
+    logit_bias: dict[int, StrictFloat] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[StrictStr] | None = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -71,7 +77,8 @@ class _SamplingRequest(_Request):
         fields.update(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                       ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens)
+                      skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+                      allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
         return fields
 
     @property
@@ -91,24 +98,38 @@ class CompletionRequest(_SamplingRequest):
     suffix: StrictStr | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class _ChatTemplateFields(_Request):
+    """What a chat request adds to its template's kwargs (vLLM's names; engine/chat.py).
+    Entries of `tools` are checked there, so a bad one is a 400 naming `tools`."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    tools: list[Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: StrictBool = True
+    tool_choice: StrictStr | dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_ChatTemplateFields):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(_Request):

@@ -1,4 +1,5 @@
-"""The generation routes (/v1/completions, /v1/chat/completions) and /tokenize, /detokenize.
+"""The generation routes (/v1/completions, /v1/chat/completions), /v1/chat/completions/render,
+/tokenize and /detokenize.
 
 Each turns a validated request into (prompt, SamplingParams) jobs with the engine's input
 processor, runs them through the AsyncEngine, and renders either one JSON body or a
@@ -17,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.chat import check_tool_choice, normalize_tools
 from ..engine.input_processor import ProcessedPrompt
 from ..engine.outputs import Logprob, RequestOutput
 from ..sampling_params import SamplingParams
@@ -41,6 +43,17 @@ def bad_request(exc: ValueError) -> APIError:
 
 
 @dataclass(frozen=True)
+class ChatSettings:
+    """Server-wide chat template settings: `--chat-template` (None: the checkpoint's),
+    `--default-chat-template-kwargs` (the lowest-precedence kwargs) and
+    `--reasoning-effort-map` (effort name -> template value; unlisted names map to themselves)."""
+
+    chat_template: str | None = None
+    default_chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    reasoning_effort_map: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Job:
     """One engine request: a prompt and its parameters."""
 
@@ -50,11 +63,13 @@ class Job:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, max_sequences_per_request: int) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, max_sequences_per_request: int,
+                 chat: ChatSettings | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_sequences = max_sequences_per_request
         self.inputs = engine.input_processor
+        self.chat = chat or ChatSettings()
 
     # -- request -> jobs (worker thread) ------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -108,14 +123,35 @@ class Serving:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "when using top_logprobs, logprobs must be set to true", "top_logprobs")
-        try:
-            prompt = self.inputs.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as exc:
-            raise APIError(400, f"invalid messages: {exc}", "messages") from None
+        prompt = self._render_chat(req, req.messages, tool_choice=req.tool_choice)
         fields = req.sampling_fields(self.inputs.generation_defaults)
         fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
         base = random_id("chatcmpl")
         return base, self._jobs(base, [prompt], fields, req.requested_max_tokens, "messages")
+
+    def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest, messages: Any,
+                     add_special_tokens: bool = False, tool_choice: Any = None) -> ProcessedPrompt:
+        """The request's conversation rendered and encoded; tools and tool_choice are checked
+        first. Any refusal is a 400 naming the field to blame."""
+        try:
+            tools = normalize_tools(req.tools)
+            check_tool_choice(tool_choice, tools)
+            return self.inputs.render_chat(
+                messages, req.add_generation_prompt, add_special_tokens, tools=tools, documents=req.documents,
+                chat_template=self.chat.chat_template, chat_template_kwargs=req.chat_template_kwargs,
+                continue_final_message=req.continue_final_message, reasoning_effort=req.reasoning_effort,
+                default_chat_template_kwargs=self.chat.default_chat_template_kwargs,
+                reasoning_effort_map=self.chat.reasoning_effort_map)
+        except ValueError as exc:
+            param = getattr(exc, "param", None) or "messages"
+            raise APIError(400, f"invalid {param}: {exc}", param) from None
+
+    def render(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """/v1/chat/completions/render: the prompt a chat request would run, checked exactly
+        as /v1/chat/completions checks it, and its token ids; nothing reaches the engine."""
+        base, (job,) = self.chat_jobs(req)
+        return {"request_id": base, "model": self.model_name, "prompt": job.prompt.text,
+                "token_ids": job.prompt.token_ids}
 
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
@@ -124,11 +160,7 @@ class Serving:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            try:
-                ids = self.inputs.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                              add_special_tokens=bool(req.add_special_tokens)).token_ids
-            except ValueError as exc:
-                raise APIError(400, f"invalid messages: {exc}", "messages") from None
+            ids = self._render_chat(req, req.messages, bool(req.add_special_tokens)).token_ids
         else:
             ids = self.inputs.tokenize(req.prompt, add_special_tokens=req.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": self.inputs.max_model_len, "tokens": ids}
