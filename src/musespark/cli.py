@@ -113,6 +113,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a JSON object mapping reasoning_effort values (none, minimal, low, medium, high, xhigh, "
                    "max) to the value the template receives as reasoning_effort and reasoning_strength "
                    "(default: identity)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split reasoning channels into message.reasoning: muse (alias musespark1x)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="turn tool calls in the output into tool_calls (needs --tool-call-parser)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME", help="muse (alias musespark1x)")
     p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     p.add_argument("--uvicorn-log-level", default="info",
@@ -125,6 +130,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from .engine.chat import compile_template, parse_reasoning_effort_map, parse_template_kwargs
     from .engine.llm_engine import LLMEngine
     from .server.api import ServerConfig, serve
+    from .server.serving import check_parsers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MUSESPARK_API_KEY") or None
@@ -134,13 +140,16 @@ def _run_serve(args: argparse.Namespace) -> int:
     effort_map = parse_reasoning_effort_map(args.reasoning_effort_map)
     if template is not None:
         compile_template(template)
+    check_parsers(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     if template is not None and engine.tokenizer is None:
         raise ValueError("--chat-template needs a model with a tokenizer")
     name = args.served_model_name or args.model or engine.model_path.name
     config = ServerConfig(model_name=name, api_key=api_key, max_request_body_bytes=args.max_request_body_bytes,
                           log_requests=not args.disable_log_requests, chat_template=template,
-                          default_chat_template_kwargs=default_kwargs, reasoning_effort_map=effort_map)
+                          default_chat_template_kwargs=default_kwargs, reasoning_effort_map=effort_map,
+                          reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice)
     return serve(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 
 

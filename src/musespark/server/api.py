@@ -32,7 +32,7 @@ from ..engine.chat import compile_template, parse_reasoning_effort_map, parse_te
 from ..engine.llm_engine import LLMEngine
 from .async_engine import AsyncEngine, EngineDeadError
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from .serving import APIError, ChatSettings, Serving
+from .serving import APIError, ChatSettings, Serving, check_parsers
 
 logger = logging.getLogger("musespark.server")
 
@@ -50,6 +50,10 @@ class ServerConfig:
     chat_template: str | None = None
     default_chat_template_kwargs: Mapping[str, Any] | None = None
     reasoning_effort_map: Mapping[str, str] | None = None
+    # Output parsers (`musespark.parsers`): --reasoning-parser, --tool-call-parser, --enable-auto-tool-choice.
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -60,13 +64,16 @@ class ServerConfig:
             compile_template(self.chat_template)  # a template that does not compile fails now
         parse_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
         parse_reasoning_effort_map(self.reasoning_effort_map)
+        check_parsers(self.reasoning_parser, self.tool_call_parser, self.enable_auto_tool_choice)
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(
             chat_template=self.chat_template,
             default_chat_template_kwargs=parse_template_kwargs(self.default_chat_template_kwargs,
                                                                "default_chat_template_kwargs"),
-            reasoning_effort_map=parse_reasoning_effort_map(self.reasoning_effort_map))
+            reasoning_effort_map=parse_reasoning_effort_map(self.reasoning_effort_map),
+            reasoning_parser=self.reasoning_parser,
+            tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None)
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:

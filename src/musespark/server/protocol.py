@@ -119,6 +119,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    include_reasoning: StrictBool = True  # with --reasoning-parser: send message.reasoning
 
     @property
     def requested_max_tokens(self) -> int | None:
