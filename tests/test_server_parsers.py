@@ -16,7 +16,8 @@ from musespark.engine.llm_engine import LLMEngine
 from musespark.engine.core import EngineCoreOutput
 from musespark.engine.output_processor import OutputProcessor
 from musespark.server.protocol import ChatCompletionRequest
-from musespark.server.serving import ChatSettings, Serving, check_parsers
+from musespark.server.chat_output import check_parsers
+from musespark.server.serving import ChatSettings, Serving
 
 TRANSCRIPT = (" to=self<|message|>Need weather.<|eom|><|start|>assistant to=get_weather<|message|>"
               "<atem:function_calls>\n<atem:invoke name=\"get_weather\">\n"

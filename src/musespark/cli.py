@@ -130,7 +130,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from .engine.chat import compile_template, parse_reasoning_effort_map, parse_template_kwargs
     from .engine.llm_engine import LLMEngine
     from .server.api import ServerConfig, serve
-    from .server.serving import check_parsers
+    from .server.chat_output import check_parsers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MUSESPARK_API_KEY") or None

@@ -32,7 +32,8 @@ from ..engine.chat import compile_template, parse_reasoning_effort_map, parse_te
 from ..engine.llm_engine import LLMEngine
 from .async_engine import AsyncEngine, EngineDeadError
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from .serving import APIError, ChatSettings, Serving, check_parsers
+from .chat_output import check_parsers
+from .serving import APIError, ChatSettings, Serving
 
 logger = logging.getLogger("musespark.server")
 

@@ -19,7 +19,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -28,11 +27,11 @@ from typing import Any
 
 from ..engine.chat import check_tool_choice, normalize_tools
 from ..engine.input_processor import ProcessedPrompt
-from ..engine.outputs import CompletionOutput, Logprob, RequestOutput
-from ..parsers import (PARSERS, MuseOutputParser, ParsedDelta, get_parser_factory, resolve_finish_reason,
-                       tool_schemas_from_openai)
+from ..engine.outputs import Logprob, RequestOutput
+from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
+from .chat_output import chat_finish_reason, chat_message, chat_usage, output_parser_factory, parsed_delta
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, envelope,
                        error_body, random_id, usage)
 
@@ -59,17 +58,6 @@ class ChatSettings:
     reasoning_effort_map: Mapping[str, str] = field(default_factory=dict)
     reasoning_parser: str | None = None  # --reasoning-parser
     tool_call_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice is on
-
-
-def check_parsers(reasoning_parser: str | None, tool_call_parser: str | None, auto_tool_choice: bool) -> None:
-    """Startup check of the parser flags: unknown names list the supported ones."""
-    if reasoning_parser is not None:
-        get_parser_factory(reasoning_parser, "reasoning")
-    if tool_call_parser is not None:
-        get_parser_factory(tool_call_parser, "tool")
-    if auto_tool_choice and tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (supported: "
-                         f"{', '.join(sorted(PARSERS))})")
 
 
 @dataclass(frozen=True)
@@ -146,25 +134,12 @@ class Serving:
         prompt = self._render_chat(req, req.messages, tool_choice=req.tool_choice)
         fields = req.sampling_fields(self.inputs.generation_defaults)
         fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
-        parser = self._output_parser(req)
+        parser = output_parser_factory(self.chat.reasoning_parser, self.chat.tool_call_parser, req)
         if parser is not None:
             fields["skip_special_tokens"] = False  # the parsers read the channel markers
         base = random_id("chatcmpl")
         jobs = self._jobs(base, [prompt], fields, req.requested_max_tokens, "messages")
         return base, [replace(job, output_parser=parser) for job in jobs]
-
-    def _output_parser(self, req: ChatCompletionRequest) -> Callable[[], MuseOutputParser] | None:
-        """One parser per sequence: reasoning with --reasoning-parser; tool calls with
-        --enable-auto-tool-choice when the request has tools and tool_choice is not "none"."""
-        reasoning = self.chat.reasoning_parser is not None
-        tools = bool(self.chat.tool_call_parser and req.tools and req.tool_choice != "none")
-        if not (reasoning or tools):
-            return None
-        name = self.chat.reasoning_parser if reasoning else self.chat.tool_call_parser
-        return functools.partial(get_parser_factory(name, "reasoning" if reasoning else "tool"),
-                                 reasoning=reasoning, tools=tools,
-                                 tool_names=tool_schemas_from_openai(normalize_tools(req.tools)) if tools else None,
-                                 parallel_tool_calls=req.parallel_tool_calls is not False)
 
     def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest, messages: Any,
                      add_special_tokens: bool = False, tool_choice: Any = None) -> ProcessedPrompt:
@@ -277,13 +252,13 @@ class Serving:
                 "usage": usage(n_prompt, n_out)}
 
     def chat_response(self, base: str, req: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": _message(c, req.include_reasoning),
+        choices = [{"index": c.index, "message": chat_message(c, req.include_reasoning),
                     "logprobs": self.chat_logprobs(c.logprobs, c.token_ids),
-                    "finish_reason": _finish_reason(c, bool(c.parsed and c.parsed.tool_calls)),
+                    "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls)),
                     "stop_reason": c.stop_reason} for c in final.outputs]
         n_out = sum(len(c.token_ids) for c in final.outputs)
         return {**envelope("chat.completion", base, self.model_name), "choices": choices,
-                "usage": _chat_usage(final, n_out)}
+                "usage": chat_usage(final, n_out)}
 
     def completion_logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int], offset: int
                             ) -> dict[str, Any] | None:
@@ -382,18 +357,18 @@ class Serving:
                     if c.delta_parsed is None:
                         delta = {"content": c.delta_text} if c.delta_text else {}
                     else:
-                        delta = _parsed_delta(c.delta_parsed, req.include_reasoning)
+                        delta = parsed_delta(c.delta_parsed, req.include_reasoning)
                         if c.delta_parsed.tool_calls:
                             called.add(c.index)
                     choice = {"index": c.index, "delta": delta,
                               "logprobs": self.chat_logprobs(c.delta_logprobs, c.delta_token_ids),
-                              "finish_reason": _finish_reason(c, c.index in called), "stop_reason": c.stop_reason}
+                              "finish_reason": chat_finish_reason(c, c.index in called), "stop_reason": c.stop_reason}
                     if c.finish_reason:
                         finished.add(c.index)
                     yield _sse({**head, "choices": [choice]})
             if req.include_usage and last is not None:
                 n_out = sum(len(c.token_ids) for c in last.outputs)
-                yield _sse({**head, "choices": [], "usage": _chat_usage(last, n_out)})
+                yield _sse({**head, "choices": [], "usage": chat_usage(last, n_out)})
         except Exception as exc:
             yield _sse(error_body(f"generation failed: {exc}", 500))
         finally:
@@ -403,51 +378,3 @@ class Serving:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-# -- parsed chat output -> OpenAI fields ------------------------------------------------------
-
-def _message(c: CompletionOutput, include_reasoning: bool) -> dict[str, Any]:
-    """The assistant message: the raw text, or with an output parser its reasoning, content
-    and tool calls (MUSE_CHAT §3)."""
-    if c.parsed is None:
-        return {"role": "assistant", "content": c.text}
-    message: dict[str, Any] = {"role": "assistant", "content": c.parsed.content}
-    if include_reasoning:
-        message["reasoning"] = c.parsed.reasoning
-    if c.parsed.tool_calls:
-        message["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-                                 for t in c.parsed.tool_calls]
-    return message
-
-
-def _parsed_delta(d: ParsedDelta, include_reasoning: bool) -> dict[str, Any]:
-    """One streamed step: reasoning and content text, and tool calls in OpenAI's streaming
-    shape (id, type and name on a call's first delta, then argument pieces)."""
-    delta: dict[str, Any] = {}
-    if d.reasoning and include_reasoning:
-        delta["reasoning"] = d.reasoning
-    if d.content:
-        delta["content"] = d.content
-    if d.tool_calls:
-        calls = []
-        for t in d.tool_calls:
-            call: dict[str, Any] = {"index": t.index, "function": {"arguments": t.arguments}}
-            if t.id is not None:
-                call.update(id=t.id, type="function")
-            if t.name is not None:
-                call["function"]["name"] = t.name
-            calls.append(call)
-        delta["tool_calls"] = calls
-    return delta
-
-
-def _finish_reason(c: CompletionOutput, has_tool_calls: bool) -> str | None:
-    return resolve_finish_reason(c.finish_reason, has_tool_calls) if c.delta_parsed is not None else c.finish_reason
-
-
-def _chat_usage(out: RequestOutput, n_out: int) -> dict[str, Any]:
-    body: dict[str, Any] = usage(len(out.prompt_token_ids), n_out)
-    if any(c.delta_parsed is not None for c in out.outputs):
-        body["completion_tokens_details"] = {"reasoning_tokens": sum(c.num_reasoning_tokens for c in out.outputs)}
-    return body
