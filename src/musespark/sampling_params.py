@@ -10,6 +10,13 @@ added to the logits; `allowed_token_ids` gives every other token -inf; `bad_word
 last token of a word's token sequence whenever the output so far ends with the rest of it
 (a one-token word is always banned). Out-of-vocabulary ids are refused by
 `InputProcessor.validate`, which also tokenizes `bad_words` (`update_from_tokenizer`).
+
+Structured outputs (`structured_outputs=StructuredOutputsParams(json=SCHEMA)`, vLLM's
+names): the output is constrained to a JSON schema, any JSON object, a regular expression,
+one of a list of strings, an EBNF/Lark grammar, or (musespark's extension, used for
+`tool_choice`) an ATEM call to one of a list of tools. `InputProcessor.validate` compiles the
+grammar (a compile error names `structured_outputs`); the sampler masks every token the
+grammar does not allow.
 """
 
 from __future__ import annotations
@@ -39,6 +46,69 @@ def _bad(name: str, value: Any, want: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"{name} must be {want}, got {value!r}", param=name)
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "tool_calls")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint (vLLM's `StructuredOutputsParams`; exactly one kind is set).
+
+    json: a JSON schema (dict or JSON text). json_object: any JSON object. regex: a regular
+    expression the whole output matches. choice: the output is exactly one of these strings.
+    grammar: an EBNF grammar (xgrammar's dialect, `root ::= ...`) or a Lark grammar.
+    tool_calls: musespark's extension for `tool_choice`: a list of OpenAI tool definitions
+    (`{"type": "function", "function": {...}}`); the output is one ATEM call to one of them,
+    in its tool channel, whose parameters follow the tool's JSON schema.
+
+    disable_any_whitespace: JSON is written compactly (one space after `:` and `,`, no
+    newlines). True by default, unlike vLLM: given any whitespace, small models fill JSON
+    with newlines until max_tokens (MUSE_CHAT §8). False gives xgrammar's any-whitespace JSON.
+    final_message_only: the constraint applies to the final message of a Muse turn (the
+    `to=user` answer, or the tool channel for `tool_calls`); the reasoning before it is free.
+    The server sets it when `--reasoning-parser` is on; False constrains from the first token.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    tool_calls: list[dict] | None = None
+    disable_any_whitespace: bool = True
+    final_message_only: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        param = "structured_outputs"
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidArgumentError(
+                f"{param} needs exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}", param=param)
+        if self.json is not None and not isinstance(self.json, (str, Mapping)):
+            raise _bad(f"{param}.json", self.json, "a JSON schema (an object or its JSON text)")
+        if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
+            raise _bad(f"{param}.regex", self.regex, "a non-empty string")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            raise _bad(f"{param}.grammar", self.grammar, "a non-empty grammar string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise _bad(f"{param}.choice", self.choice, "a non-empty list of non-empty strings")
+            set_("choice", list(self.choice))
+        if self.json_object not in (None, True, False):
+            raise _bad(f"{param}.json_object", self.json_object, "a bool")
+        if self.tool_calls is not None and not (isinstance(self.tool_calls, (list, tuple)) and self.tool_calls):
+            raise _bad(f"{param}.tool_calls", self.tool_calls, "a non-empty list of tool definitions")
+        for name in ("disable_any_whitespace", "final_message_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(f"{param}.{name}", getattr(self, name), "a bool")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (vLLM field names, defaults and meanings)."""
@@ -63,9 +133,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # non-empty; every other token is banned
     bad_words: list[str] | None = None  # banned words (see the module docstring)
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is converted
     # Set by `update_from_tokenizer` (vLLM's private field of the same name): the token
     # sequences that `bad_words` ban. A field, so `dataclasses.replace` (n > 1 children) keeps it.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # Set by `InputProcessor.validate`: `structured_outputs` compiled for this model's
+    # tokenizer (musespark.structured.CompiledStructure); n > 1 children share it.
+    _compiled_grammar: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Over 60 lines on purpose: one check per field, in field order, so every rule and
@@ -187,6 +261,16 @@ class SamplingParams:
                     isinstance(s, (list, tuple)) and s and all(_is_int(t) and t >= 0 for t in s) for s in seqs):
                 raise _bad("bad_words", seqs, "tokenized as non-empty lists of ints >= 0")
             set_("_bad_words_token_ids", [[int(t) for t in s] for s in seqs])
+
+        so = self.structured_outputs
+        if isinstance(so, Mapping):
+            unknown = sorted(str(k) for k in so if k not in {f.name for f in dataclasses.fields(StructuredOutputsParams)})
+            if unknown:
+                raise InvalidArgumentError(f"structured_outputs has unknown key(s): {', '.join(unknown)}",
+                                           param="structured_outputs")
+            set_("structured_outputs", StructuredOutputsParams(**so))
+        elif so is not None and not isinstance(so, StructuredOutputsParams):
+            raise _bad("structured_outputs", so, "None, a StructuredOutputsParams or a dict of its fields")
 
     def update_from_tokenizer(self, tokenizer: Any) -> None:
         """Tokenize `bad_words` into `_bad_words_token_ids` as vLLM does: each word (left-

@@ -85,7 +85,7 @@ def versions() -> dict[str, str | None]:
     from importlib import metadata
 
     out: dict[str, str | None] = {"python": platform.python_version(), "musespark": __version__}
-    for name in ("torch", "numpy", "transformers", "httpx"):
+    for name in ("torch", "numpy", "transformers", "httpx", "xgrammar"):
         mod = sys.modules.get(name)  # the imported one wins; else what is installed (bench serve imports no torch)
         version = getattr(mod, "__version__", None) if mod is not None else None
         if version is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
+from ..errors import InvalidArgumentError
 from ..model.load import load_model
 from ..sampling_params import SamplingParams
 from .model_runner import ModelRunner, TokenLogprobs
@@ -82,8 +83,16 @@ class EngineCore:
         if seed is None and not params.greedy:
             seed = int(torch.randint(_SEED_BOUND, (), generator=self._seeds))
         generator = None if seed is None else torch.Generator(device=self.model.device).manual_seed(seed)
+        grammar = None
+        if params.structured_outputs is not None:
+            if params._compiled_grammar is None:
+                raise InvalidArgumentError("structured_outputs must be compiled (InputProcessor.validate) before "
+                                           "the engine takes the request", param="structured_outputs")
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            grammar = params._compiled_grammar.new_state(stops or self.eos_token_ids)
         self.scheduler.add(Request(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-                                   max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, generator=generator))
+                                   max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, generator=generator,
+                                   grammar=grammar))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish with reason "abort" and free blocks at once; unknown or finished ids are ignored."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..sampling_params import SamplingParams
+from ..structured import StructuredOutputManager
 from . import chat
 from .tokenizer import Tokenizer
 
@@ -60,6 +61,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
+        # Compiles structured-output grammars (thread-safe, cached; xgrammar loads on first use).
+        self.structured = StructuredOutputManager(tokenizer, vocab_size) if tokenizer is not None else None
 
     # -- prompts ----------------------------------------------------------------------
     def process_prompt(self, prompt: Any) -> ProcessedPrompt:
@@ -156,6 +159,13 @@ class InputProcessor:
             if bad:
                 raise InvalidArgumentError(
                     f"{name} has out-of-vocabulary token id(s) {bad[:8]}; the vocabulary is [0, {vocab})", param=name)
+        # Structured outputs: compiled here, on the caller's thread (the server's worker
+        # threads), never on the engine loop; cached per constraint.
+        if params.structured_outputs is not None and params._compiled_grammar is None:
+            if self.structured is None:
+                raise InvalidArgumentError("structured outputs need a tokenizer; this model has none",
+                                           param="structured_outputs")
+            object.__setattr__(params, "_compiled_grammar", self.structured.compile(params.structured_outputs))
 
     # -- sampling parameters ----------------------------------------------------------------
     def default_sampling_params(self, fallback_max_tokens: int | None = None, **overrides: Any) -> SamplingParams:

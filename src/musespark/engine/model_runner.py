@@ -142,11 +142,13 @@ class ModelRunner:
             params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests], V,
             [r.generator for r in requests], device=logits.device)
         # One additive [B, V] tensor for the whole batch (None unless some row asks): each
-        # request's logit_bias / allowed_token_ids / bad_words, and -inf on the stop ids of
-        # rows still short of min_tokens.
+        # request's logit_bias / allowed_token_ids / bad_words, its grammar's mask, and -inf
+        # on the stop ids of rows still short of min_tokens.
         adjust = LogitAdjustments(len(requests), V, logits.device)
         for i, r in enumerate(requests):
             adjust.add_request(i, r.params, r.output_token_ids)
+            if r.grammar is not None:
+                r.grammar.mask(adjust, i)
             if len(r.output_token_ids) < r.params.min_tokens:
                 stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
                 adjust.forbid(i, sorted(stop_ids))

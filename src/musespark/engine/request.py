@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import torch
 
 from ..sampling_params import SamplingParams
@@ -39,6 +41,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    grammar: Any = None  # structured.GrammarState when params.structured_outputs is set
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -55,6 +58,8 @@ class Request:
     def append_token(self, token: int) -> None:
         self.output_token_ids.append(token)
         self.token_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -167,6 +167,19 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def vocab_encoding(self) -> tuple[list[str], str]:
+        """(every id's vocabulary string, in id order; how those strings encode bytes):
+        "byte_level" (GPT-2 byte map, a ByteLevel decoder), "byte_fallback" (<0xAB> tokens,
+        SentencePiece style) or "raw". What a grammar engine needs to map tokens to bytes."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        strings = [""] * (max(vocab.values()) + 1 if vocab else 0)
+        for text, i in vocab.items():
+            strings[i] = text
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, Mapping)}
+        kind = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else "raw"
+        return strings, kind
+
     # --- encode / decode --------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

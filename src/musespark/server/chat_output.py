@@ -34,12 +34,15 @@ def output_parser_factory(reasoning_parser: str | None, tool_call_parser: str | 
                           req: ChatCompletionRequest) -> Callable[[], MuseOutputParser] | None:
     """One parser per sequence: reasoning with --reasoning-parser; tool calls with
     --enable-auto-tool-choice (`tool_call_parser` set) when the request has tools and
-    tool_choice is not "none". None when neither applies."""
+    tool_choice is not "none", and always for a forced tool_choice ("required" or a named
+    function: the grammar writes the model's own ATEM call, so the Muse parser reads it even
+    without the flags). None when nothing applies."""
     reasoning = reasoning_parser is not None
-    tools = bool(tool_call_parser and req.tools and req.tool_choice != "none")
+    forced = bool(req.tools) and (req.tool_choice == "required" or isinstance(req.tool_choice, dict))
+    tools = forced or bool(tool_call_parser and req.tools and req.tool_choice != "none")
     if not (reasoning or tools):
         return None
-    name = reasoning_parser if reasoning else tool_call_parser
+    name = reasoning_parser if reasoning else tool_call_parser or "muse"
     return functools.partial(get_parser_factory(name, "reasoning" if reasoning else "tool"),
                              reasoning=reasoning, tools=tools,
                              tool_names=tool_schemas_from_openai(normalize_tools(req.tools)) if tools else None,
@@ -81,8 +84,12 @@ def parsed_delta(d: ParsedDelta, include_reasoning: bool) -> dict[str, Any]:
     return delta
 
 
-def chat_finish_reason(c: CompletionOutput, has_tool_calls: bool) -> str | None:
-    return resolve_finish_reason(c.finish_reason, has_tool_calls) if c.delta_parsed is not None else c.finish_reason
+def chat_finish_reason(c: CompletionOutput, has_tool_calls: bool, tool_choice: Any = None) -> str | None:
+    """"tool_calls" when a call was made and the engine stopped, unless tool_choice named the
+    function (vLLM then keeps "stop"); "length" is kept."""
+    if c.delta_parsed is None:
+        return c.finish_reason
+    return resolve_finish_reason(c.finish_reason, has_tool_calls, named_tool_choice=isinstance(tool_choice, dict))
 
 
 def chat_usage(out: RequestOutput, n_out: int) -> dict[str, Any]:

@@ -59,6 +59,9 @@ class _SamplingRequest(_Request):
     logit_bias: dict[int, StrictFloat] | None = None
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[StrictStr] | None = None
+    # Structured outputs (server/constraints.py checks them, naming the field).
+    response_format: Any = None
+    structured_outputs: Any = None
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None

@@ -31,6 +31,7 @@ from ..engine.outputs import Logprob, RequestOutput
 from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
+from .constraints import request_constraint
 from .chat_output import chat_finish_reason, chat_message, chat_usage, output_parser_factory, parsed_delta
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, envelope,
                        error_body, random_id, usage)
@@ -118,6 +119,10 @@ class Serving:
             raise bad_request(exc) from None
         fields = req.sampling_fields(self.inputs.generation_defaults)
         fields["logprobs"] = req.logprobs
+        try:
+            fields["structured_outputs"] = request_constraint(req.response_format, req.structured_outputs)
+        except ValueError as exc:
+            raise bad_request(exc) from None
         base = random_id("cmpl")
         jobs = self._jobs(base, prompts, fields, req.max_tokens, "prompt")
         if req.echo:  # the echoed text of a token-id prompt is decoded here, off the event loop
@@ -137,6 +142,13 @@ class Serving:
         parser = output_parser_factory(self.chat.reasoning_parser, self.chat.tool_call_parser, req)
         if parser is not None:
             fields["skip_special_tokens"] = False  # the parsers read the channel markers
+        try:
+            fields["structured_outputs"] = request_constraint(
+                req.response_format, req.structured_outputs, tools=normalize_tools(req.tools),
+                tool_choice=req.tool_choice,
+                final_message_only=self.chat.reasoning_parser is not None and req.include_reasoning)
+        except ValueError as exc:
+            raise bad_request(exc) from None
         base = random_id("chatcmpl")
         jobs = self._jobs(base, [prompt], fields, req.requested_max_tokens, "messages")
         return base, [replace(job, output_parser=parser) for job in jobs]
@@ -254,7 +266,7 @@ class Serving:
     def chat_response(self, base: str, req: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any]:
         choices = [{"index": c.index, "message": chat_message(c, req.include_reasoning),
                     "logprobs": self.chat_logprobs(c.logprobs, c.token_ids),
-                    "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls)),
+                    "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls), req.tool_choice),
                     "stop_reason": c.stop_reason} for c in final.outputs]
         n_out = sum(len(c.token_ids) for c in final.outputs)
         return {**envelope("chat.completion", base, self.model_name), "choices": choices,
@@ -362,7 +374,8 @@ class Serving:
                             called.add(c.index)
                     choice = {"index": c.index, "delta": delta,
                               "logprobs": self.chat_logprobs(c.delta_logprobs, c.delta_token_ids),
-                              "finish_reason": chat_finish_reason(c, c.index in called), "stop_reason": c.stop_reason}
+                              "finish_reason": chat_finish_reason(c, c.index in called, req.tool_choice),
+                              "stop_reason": c.stop_reason}
                     if c.finish_reason:
                         finished.add(c.index)
                     yield _sse({**head, "choices": [choice]})
