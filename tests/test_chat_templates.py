@@ -369,6 +369,21 @@ def test_chat_accepts_developer_and_tool_calls_without_content(client):
     ({"messages": [{"role": "tool", "tool_call_id": "zz", "content": "x"}]}, "messages"),  # template exception
     ({"reasoning_effort": "huge"}, "reasoning_effort"),
     ({"continue_final_message": True}, "add_generation_prompt"),
+    # Structured outputs: a schema, regex or grammar the engine cannot compile, bad shapes.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, "tools"),
 ])
 def test_chat_refusals_name_the_field(client, change, param):
     before = len(client.engine_calls)

@@ -1,7 +1,8 @@
 """The `musespark` command line.
 
     musespark generate [--model DIR] [--max-tokens N] [--temperature T] [--top-p P]
-                       [--seed S] [--chat [--chat-template FILE] [--chat-template-kwargs JSON]] PROMPT...
+                       [--seed S] [--chat [--tools JSON] [--chat-template FILE] [--chat-template-kwargs JSON]]
+                       PROMPT...
 
     musespark serve [MODEL] [--host H] [--port P] [--api-key KEY] [--served-model-name NAME]
                     [--chat-template FILE] [--default-chat-template-kwargs JSON]
@@ -10,7 +11,8 @@
     musespark bench latency|throughput [--model DIR | --preset NAME] [--dtype D] ...
     musespark bench serve [--base-url URL] [--num-prompts N] [--request-rate R] ...
 
-`generate` prints each completion as it streams; `serve` runs the OpenAI-compatible HTTP
+`generate` prints each completion as it streams (with `--chat` on a model that speaks Muse,
+its reasoning, answer and tool calls apart); `serve` runs the OpenAI-compatible HTTP
 server (vLLM's flag names). Without a model both use the bundled model. `bench` runs
 vLLM's three benchmark modes (see musespark.bench); its last output line is one JSON object.
 
@@ -45,6 +47,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--chat-template", default=None, help="with --chat: a Jinja chat template file (or the "
                    "template itself) replacing the checkpoint's")
+    p.add_argument("--tools", default=None, metavar="JSON|FILE",
+                   help="with --chat: OpenAI tool definitions, a JSON list or a file holding one")
     p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="with --chat: extra template kwargs, a JSON object (e.g. '{\"reasoning_strength\": \"low\"}')")
 
@@ -61,8 +65,59 @@ def load_chat_template(value: str | None) -> str | None:
     return path.read_text(encoding="utf-8")
 
 
+def _load_tools(value: str | None) -> list | None:
+    import json
+    from pathlib import Path
+
+    if value is None:
+        return None
+    if value.lstrip().startswith("["):
+        text = value
+    elif Path(value).is_file():
+        text = Path(value).read_text(encoding="utf-8")
+    else:
+        raise ValueError(f"--tools: give a JSON list of tools or a file holding one, got {value!r}")
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--tools is not valid JSON: {exc}") from None
+    return tools
+
+
+class _ChatPrinter:
+    """Prints a Muse turn as it streams: reasoning, answer and tool calls under their own
+    labels (the model's channel markers are parsed, never printed)."""
+
+    def __init__(self, tools: list | None) -> None:
+        from .parsers import MuseOutputParser, tool_schemas_from_openai
+
+        self.parser = MuseOutputParser(reasoning=True, tools=bool(tools),
+                                       tool_names=tool_schemas_from_openai(tools) if tools else None)
+        self.section: str | None = None
+
+    def _label(self, section: str) -> None:
+        if section != self.section:
+            print(("\n" if self.section else "") + f"[{section}] ", end="", flush=True)
+            self.section = section
+
+    def show(self, delta) -> None:
+        if delta.reasoning:
+            self._label("reasoning")
+            print(delta.reasoning, end="", flush=True)
+        if delta.content:
+            self._label("answer")
+            print(delta.content, end="", flush=True)
+        for call in delta.tool_calls:
+            if call.name is not None:
+                self.section = None
+                self._label(f"tool call {call.name}")
+            print(call.arguments, end="", flush=True)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
-    from .engine.chat import parse_template_kwargs
+    import dataclasses
+
+    from .engine.chat import normalize_tools, parse_template_kwargs
     from .engine.llm import LLM
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)), show_progress=True)
@@ -72,22 +127,32 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p, top_k=args.top_k, seed=args.request_seed)
     template = load_chat_template(args.chat_template)
     template_kwargs = parse_template_kwargs(args.chat_template_kwargs, "--chat-template-kwargs")
+    tools = normalize_tools(_load_tools(args.tools))
+    muse = args.chat and processor.tokenizer is not None and processor.tokenizer.token_to_id("<|message|>") is not None
+    if muse:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # the parser reads the markers
     for i, prompt in enumerate(args.prompts):
         if args.chat:
             if processor.tokenizer is None:
                 raise ValueError("--chat needs a model with a tokenizer and a chat template")
             request = processor.render_chat([{"role": "user", "content": prompt}], chat_template=template,
-                                            chat_template_kwargs=template_kwargs)
+                                            chat_template_kwargs=template_kwargs, tools=tools)
         else:
             request = prompt
         if len(args.prompts) > 1:
             print(f"--- [{i}] {prompt!r}", flush=True)
         final = None
+        printer = _ChatPrinter(tools) if muse else None
         for out in llm.generate_stream(request, params):
             if final is None and not args.chat:
                 print(prompt, end="", flush=True)  # echo the prompt once the request is accepted
-            print(out.outputs[0].delta_text, end="", flush=True)
+            if printer is None:
+                print(out.outputs[0].delta_text, end="", flush=True)
+            else:
+                printer.show(printer.parser.feed(out.outputs[0].delta_text))
             final = out
+        if printer is not None and final is not None:
+            printer.show(printer.parser.finish(final.outputs[0].finish_reason))
         print(flush=True)
         if final is not None:
             c = final.outputs[0]

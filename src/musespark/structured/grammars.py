@@ -45,8 +45,9 @@ def _reason(exc: Exception) -> str:
     return _ENGINE_NOISE.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
 
 
-def _refuse(param: str, what: str, exc: Exception) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{param}: the grammar engine cannot compile this {what}: {_reason(exc)}",
+def _refuse(param: str, what: str, exc: Exception, where: str | None = None) -> InvalidArgumentError:
+    """`param` is the request field to blame; `where` (default: param) says where inside it."""
+    return InvalidArgumentError(f"{where or param}: the grammar engine cannot compile this {what}: {_reason(exc)}",
                                 param=param)
 
 
@@ -60,18 +61,19 @@ def _ebnf_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def json_schema(schema: Any, param: str, compact: bool) -> Any:
+def json_schema(schema: Any, param: str, compact: bool, where: str | None = None) -> Any:
+    where = where or param
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"{param} is not valid JSON: {exc}", param=param) from None
+            raise InvalidArgumentError(f"{where} is not valid JSON: {exc}", param=param) from None
     if not isinstance(schema, (Mapping, bool)):
-        raise InvalidArgumentError(f"{param} must be a JSON schema object, got {type(schema).__name__}", param=param)
+        raise InvalidArgumentError(f"{where} must be a JSON schema object, got {type(schema).__name__}", param=param)
     try:
         return xgr().Grammar.from_json_schema(json.dumps(schema), any_whitespace=not compact, strict_mode=True)
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its reason
-        raise _refuse(param, "JSON schema", exc) from None
+        raise _refuse(param, "JSON schema", exc, where) from None
 
 
 def body_grammar(spec: StructuredOutputsParams) -> Any:
@@ -118,7 +120,7 @@ def tool_functions(tools: Any, param: str = "tools") -> list[dict[str, Any]]:
     return out
 
 
-def _value_grammar(schema: Any, param: str, compact: bool) -> Any:
+def _value_grammar(schema: Any, param: str, compact: bool, where: str) -> Any:
     x = xgr()
     if isinstance(schema, Mapping) and schema.get("type") == "string":
         if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]) and schema["enum"]:
@@ -127,9 +129,9 @@ def _value_grammar(schema: Any, param: str, compact: bool) -> Any:
             try:
                 return x.Grammar.from_regex(schema["pattern"])
             except Exception as exc:
-                raise _refuse(param, "string pattern", exc) from None
+                raise _refuse(param, "string pattern", exc, where) from None
         return x.Grammar.from_ebnf(_RAW_STRING)
-    return json_schema(schema if isinstance(schema, (Mapping, bool)) else {}, param, compact)
+    return json_schema(schema if isinstance(schema, (Mapping, bool)) else {}, param, compact, where)
 
 
 def _optional(grammar: Any) -> Any:
@@ -148,7 +150,7 @@ def atem_body(fn: Mapping[str, Any], compact: bool, param: str = "tools") -> Any
     parts = [literal(f'<atem:function_calls>\n<atem:invoke name="{name}">\n')]
     for key in order:
         one = x_concat(literal(f'<atem:parameter name="{key}">'),
-                       _value_grammar(props[key], f"{param}: {name}.parameters.properties.{key}", compact),
+                       _value_grammar(props[key], param, compact, f"{param}: {name}.parameters.properties.{key}"),
                        literal("</atem:parameter>\n"))
         parts.append(one if key in required else _optional(one))
     parts.append(literal("</atem:invoke>\n</atem:function_calls>"))
