@@ -216,3 +216,35 @@ def test_model_runs_without_the_kernels(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert len(eval(out.stdout.strip().splitlines()[-1])) == 4
+
+
+def test_kernel_cache_key_covers_the_toolchain(monkeypatch):
+    key = cpu.build_key()
+    assert cpu.build_key() == key  # stable (torch's builder must not change it by side effect)
+    monkeypatch.setattr(cpu.sys, "version", cpu.sys.version + " (another build)")
+    assert cpu.build_key() != key
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "/no/such/compiler")
+    assert cpu.build_key() != key
+
+
+@needs_ops
+def test_two_processes_building_at_once_share_one_complete_cache(tmp_path):
+    code = "from musespark.kernels import cpu\nassert cpu.native_ops() is not None, cpu.unavailable_reason()\n" \
+           "print(cpu.cache_dir())\n"
+    env = dict(os.environ, MUSESPARK_CACHE=str(tmp_path), OMP_NUM_THREADS="1", MAX_JOBS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    dirs = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(dirs) == 1
+    entries = list((tmp_path / "kernels").iterdir())
+    assert [e.name for e in entries] == [os.path.basename(dirs.pop())]  # no staging directory left behind
+    assert (entries[0] / "musespark_cpu.so").is_file()
+    # A third process loads the cached library as it is (nothing rebuilt or rewritten).
+    library = entries[0] / "musespark_cpu.so"
+    stamp = library.stat().st_mtime_ns
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert library.stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").iterdir())) == 1

@@ -240,14 +240,15 @@ def test_errors(server, client):
         for _ in range(64):
             yield b"x" * (1 << 15)
         yield b'"}'
-    _assert_error(httpx.post(url, content=chunked(), headers=AUTH), 413)
+    json_auth = {**AUTH, "Content-Type": "application/json"}
+    _assert_error(httpx.post(url, content=chunked(), headers=json_auth), 413)
     for bad, param in [({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
                        ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                        ({"n": 0}, "n"), ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"), ({"prompt": 5}, "prompt"),
                        ({"stop": [1]}, "stop")]:
         err = _assert_error(httpx.post(url, json={**ok, **bad}, headers=AUTH), 400)
         assert err["param"] == param, (bad, err)
-    _assert_error(httpx.post(url, content=b"{not json", headers=AUTH), 400)
+    _assert_error(httpx.post(url, content=b"{not json", headers=json_auth), 400)
     chat = f"{server.url}/v1/chat/completions"
     for messages in ([], [{"content": "x"}], [{"role": "wizard", "content": "x"}], [{"role": "user"}], "hi"):
         _assert_error(httpx.post(chat, json={"messages": messages}, headers=AUTH), 400)
@@ -335,7 +336,9 @@ SIGTERM_TOKENS = 2000  # long enough (~2 s here) to still be running 0.3 s after
 
 
 def test_sigterm_lets_running_requests_finish(tmp_path):
-    srv = ServerProcess(tmp_path / "sigterm.log", "--max-model-len", str(SIGTERM_TOKENS + 16))
+    # --generation-config vllm: the checkpoint's max_new_tokens (256) would cap the stream.
+    srv = ServerProcess(tmp_path / "sigterm.log", "--max-model-len", str(SIGTERM_TOKENS + 16),
+                        "--generation-config", "vllm")
     try:
         lines: list[str] = []
         first = threading.Event()

@@ -155,20 +155,27 @@ def test_tokenizer_round_trip_and_special_tokens(tok, model):
     assert tcfg["bos_token"] == tc.BOS and tcfg["eos_token"] == tc.EOS and tcfg["model_max_length"] > 0
     gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
     assert gen["bos_token_id"] == model.config.bos_token_id
-    assert gen["eos_token_id"] in model.config.eos_token_id
+    gen_eos = gen["eos_token_id"] if isinstance(gen["eos_token_id"], list) else [gen["eos_token_id"]]
+    assert set(gen_eos) == set(model.config.eos_token_id)
 
 
 def test_chat_template():
+    """The checkpoint's template is chat_template.jinja (the Muse template; tokenizer_config.json
+    has no chat_template key): it renders with plain Jinja as HF renders it."""
     jinja2 = pytest.importorskip("jinja2")
     tcfg = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
-    template = jinja2.Environment().from_string(tcfg["chat_template"])
+    assert "chat_template" not in tcfg
+    source = (MODEL_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(source)
     messages = [{"role": "user", "content": "hi"}]
-    text = template.render(messages=messages, add_generation_prompt=True, bos_token=tcfg["bos_token"])
-    assert text.startswith(tc.BOS)
-    assert "<|start_header_id|>user<|end_header_id|>" in text and "hi<|eot_id|>" in text
-    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    text = template.render(messages=messages, add_generation_prompt=False, bos_token=tcfg["bos_token"])
-    assert text.endswith("<|eot_id|>")
+    kw = dict(bos_token=tcfg["bos_token"], current_date="2026-09-30")
+    text = template.render(messages=messages, add_generation_prompt=True, **kw)
+    assert text.startswith(tc.BOS) and text.count(tc.BOS) == 1
+    assert "<|start|>system<|message|>" in text and "Current date: 2026-09-30." in text
+    assert "<|start|>user<|message|>hi<|eot|>" in text
+    assert text.endswith("<|eot|><|start|>assistant")
+    text = template.render(messages=messages, add_generation_prompt=False, **kw)
+    assert text == tc.BOS + "<|start|>user<|message|>hi<|eot|>"
 
 
 def _forward_windows(model, windows: torch.Tensor) -> torch.Tensor:

@@ -185,8 +185,30 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", default=None, metavar="NAME", help="muse (alias musespark1x)")
     p.add_argument("--disable-log-requests", action="store_true")
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="close a connection that has not sent a request's headers within this time")
+    p.add_argument("--allowed-origins", default=None, metavar="JSON",
+                   help="browser origins allowed by CORS, a JSON list (e.g. '[\"https://app.example\"]'); "
+                   "default: none (vLLM's default is every origin)")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="proxies whose X-Forwarded-For/-Proto headers are trusted (comma-separated, or '*'); "
+                   "default: none, so a client's own X-Forwarded-For is never logged as its address")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _allowed_origins(value: str | None) -> tuple[str, ...]:
+    import json
+
+    if value is None:
+        return ()
+    try:
+        origins = json.loads(value)
+    except json.JSONDecodeError:
+        origins = None
+    if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+        raise ValueError(f"--allowed-origins must be a JSON list of origins, got {value!r}")
+    return tuple(origins)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -206,6 +228,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if template is not None:
         compile_template(template)
     check_parsers(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
+    origins = _allowed_origins(args.allowed_origins)
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     if template is not None and engine.tokenizer is None:
         raise ValueError("--chat-template needs a model with a tokenizer")
@@ -214,7 +237,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                           log_requests=not args.disable_log_requests, chat_template=template,
                           default_chat_template_kwargs=default_kwargs, reasoning_effort_map=effort_map,
                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice)
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, header_timeout_s=args.header_timeout,
+                          allowed_origins=origins, forwarded_allow_ips=args.forwarded_allow_ips)
     return serve(engine, config, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 
 

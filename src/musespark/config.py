@@ -341,9 +341,14 @@ class ModelSettings:
     dtype: Any = "auto"  # str | torch.dtype; resolved by the checkpoint loader
     backend: BackendName = "auto"
     seed: int | None = 0
+    generation_config: str = "auto"  # "auto" | "vllm" | a directory (vLLM's --generation-config)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
+        gc = self.generation_config
+        if not isinstance(gc, (str, Path)) or (str(gc) not in ("auto", "vllm") and not Path(gc).is_dir()):
+            raise InvalidArgumentError(f"generation_config must be 'auto', 'vllm' or a directory, got {gc!r}",
+                                       param="generation_config")
         if self.backend not in BACKENDS:
             raise InvalidArgumentError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}",
                                        param="backend")

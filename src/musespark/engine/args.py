@@ -81,6 +81,9 @@ class EngineArgs:
         "reuse the KV blocks of shared prompt prefixes", action=argparse.BooleanOptionalAction)})
     seed: int | None = field(default=0, metadata={"cli": _flag(
         "seed of the engine's generator, used by requests without their own seed", type=int)})
+    generation_config: str = field(default="auto", metadata={"cli": _flag(
+        "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none: vLLM's "
+        "defaults), or a directory holding a generation_config.json")})
 
     # -- the command line -------------------------------------------------------------------
     @classmethod
@@ -121,7 +124,8 @@ class EngineArgs:
         if batched is None and isinstance(max_len, int):
             batched = max(2048, min(max_len, 8192))
         return EngineConfig(
-            model=ModelSettings(path=path, dtype=self.dtype, backend=self.backend, seed=self.seed),
+            model=ModelSettings(path=path, dtype=self.dtype, backend=self.backend, seed=self.seed,
+                                generation_config=self.generation_config),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               kv_cache_fraction=self.kv_cache_fraction,
                               enable_prefix_caching=self.enable_prefix_caching),
@@ -134,7 +138,7 @@ class EngineArgs:
 # Where each EngineArgs field lands in an EngineConfig (section, attribute).
 _CONFIG_FIELD = {
     "model": ("model", "path"), "dtype": ("model", "dtype"), "backend": ("model", "backend"),
-    "seed": ("model", "seed"),
+    "seed": ("model", "seed"), "generation_config": ("model", "generation_config"),
     "max_model_len": ("scheduler", "max_model_len"), "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "block_size": ("cache", "block_size"), "kv_cache_memory": ("cache", "kv_cache_memory"),

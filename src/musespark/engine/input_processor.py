@@ -63,6 +63,10 @@ class InputProcessor:
         self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
         # Compiles structured-output grammars (thread-safe, cached; xgrammar loads on first use).
         self.structured = StructuredOutputManager(tokenizer, vocab_size) if tokenizer is not None else None
+        # The longest token's text: a prompt of N characters has at least N / this many tokens,
+        # so a prompt far over max_model_len is refused without tokenizing it.
+        self._max_token_chars = max((len(t) for t in tokenizer.vocab_encoding()[0]), default=1) \
+            if tokenizer is not None else 1
 
     # -- prompts ----------------------------------------------------------------------
     def process_prompt(self, prompt: Any) -> ProcessedPrompt:
@@ -74,6 +78,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise InvalidArgumentError(
                     "this model has no tokenizer.json: give prompts as {'prompt_token_ids': [...]}", param="prompt")
+            self._check_length(prompt, "prompt")
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
@@ -119,7 +124,15 @@ class InputProcessor:
             raise
         except Exception as exc:  # ValueError from validation, jinja errors from the template
             raise InvalidArgumentError(str(exc), param="messages") from exc
+        self._check_length(text, "messages")
         return ProcessedPrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _check_length(self, text: str, param: str) -> None:
+        at_least = len(text) // max(1, self._max_token_chars)
+        if at_least >= self.max_model_len:
+            raise InvalidArgumentError(
+                f"{param} is at least {at_least} tokens ({len(text)} characters); max_model_len={self.max_model_len} "
+                "(the prompt must be shorter than max_model_len)", param=param)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -179,16 +192,18 @@ class InputProcessor:
         return SamplingParams(**fields)
 
     def resolve_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int, kind: str = "prompt") -> Any:
-        """The server's rule: unset -> the room left (capped by the checkpoint's default);
-        a valid request for more than the room is refused (vLLM's message). Anything else
-        is returned as is for SamplingParams to check."""
+        """The server's rule (vLLM's): unset -> the room left; a valid request for more than
+        the room is refused (vLLM's message); either is capped by the checkpoint's
+        max_new_tokens. Anything else is returned as is for SamplingParams to check."""
         room = self.max_model_len - num_prompt_tokens
+        default = self.generation_defaults.get("max_tokens")
         if max_tokens is None:
-            default = self.generation_defaults.get("max_tokens")
             return room if default is None else min(room, default)
         if isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt_tokens + max_tokens > self.max_model_len:
             raise InvalidArgumentError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {kind}, {max_tokens} in the "
                 f"completion). Please reduce the length of the {kind} or completion.", param="max_tokens")
+        if isinstance(max_tokens, int) and max_tokens >= 1 and isinstance(default, int) and default >= 1:
+            return min(max_tokens, default)  # vLLM caps a request by the checkpoint's max_new_tokens
         return max_tokens

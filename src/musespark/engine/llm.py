@@ -43,6 +43,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_fraction: float = 0.2,
         backend: str = "auto",
+        generation_config: str = "auto",
         show_progress: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -51,7 +52,7 @@ class LLM:
         args = EngineArgs(model=model, dtype=dtype, backend=backend, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                          enable_prefix_caching=enable_prefix_caching, seed=seed)
+                          enable_prefix_caching=enable_prefix_caching, seed=seed, generation_config=generation_config)
         progress = _progress_bar("Loading weights") if show_progress else None
         self.engine = LLMEngine(args.create_engine_config(), progress=progress)
         self._ids = itertools.count()

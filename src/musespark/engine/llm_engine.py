@@ -60,8 +60,10 @@ class LLMEngine:
         self.core = EngineCore(config, extra_eos_token_ids=extra_eos, progress=progress)
         self.model: MuseSparkForCausalLM = self.core.model
         self.config: ModelConfig = self.model.config
+        gc = str(config.model.generation_config)
+        defaults = {} if gc == "vllm" else load_generation_defaults(self.model_path if gc == "auto" else Path(gc))
         self.input_processor = InputProcessor(self.tokenizer, self.config.vocab_size,
-                                              config.scheduler.max_model_len, load_generation_defaults(self.model_path))
+                                              config.scheduler.max_model_len, defaults)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # -- read-only facts --------------------------------------------------------------

@@ -33,8 +33,13 @@ from typing import Any
 
 import tokenizers
 
+from ..errors import InvalidArgumentError
 from . import chat
 from .chat import CHAT_ROLES
+
+# Texts longer than this are encoded without holding the GIL (a server thread tokenizing a
+# 1 MiB prompt would otherwise stall the event loop for ~0.3 s).
+_GIL_FREE_CHARS = 8192
 
 __all__ = ["CHAT_ROLES", "Tokenizer", "validate_messages"]
 
@@ -183,8 +188,22 @@ class Tokenizer:
     # --- encode / decode --------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; see the module docstring for the BOS rule."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; see the module docstring for the BOS rule. Text that is not
+        valid Unicode (a lone surrogate) is an InvalidArgumentError, not the backend's TypeError."""
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"text to encode must be a str, got {type(text).__name__}", param="prompt")
+        try:
+            if len(text) > _GIL_FREE_CHARS:  # encode_batch releases the GIL; encode holds it throughout
+                ids: list[int] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            else:
+                ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidArgumentError(f"text is not valid Unicode ({exc.reason}: {text[exc.start]!r} at "
+                                           f"index {exc.start})", param="prompt") from None
+            raise
         if not add_special_tokens or self.bos_token_id is None:
             return ids
         if self._post_processor_adds_bos:

@@ -16,6 +16,10 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -50,13 +54,39 @@ def unavailable_reason() -> str:
     return _reason
 
 
+# Tuples: torch's builder appends to the lists it is given (copies are passed).
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+_LIBRARY = "musespark_cpu.so"
+
+
+def _compiler_id() -> str:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{cxx}: {out.splitlines()[0] if out else '?'}"
+
+
+def build_key() -> str:
+    """Everything that changes the binary: kernel sources and headers (torch's builder only
+    notices changes to the listed sources), flags, the compiler, and the Python and torch
+    builds it links against (two environments never share, or rebuild, one cache entry)."""
+    h = hashlib.sha256()
+    for part in (*(p.read_bytes() for p in (*_SOURCES, *_HEADERS)), " ".join(_CFLAGS + _LDFLAGS).encode(),
+                 _compiler_id().encode(), sys.version.encode(), sys.implementation.cache_tag.encode(),
+                 torch.__version__.encode(), str(torch.version.git_version).encode(), torch.__file__.encode(),
+                 platform.machine().encode()):
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()[:16]
+
+
 def cache_dir() -> Path:
-    """One build directory per torch version and kernel source text (headers included:
-    torch's builder only notices changes to the listed sources)."""
+    """This build's directory: `$MUSESPARK_CACHE/kernels/torch-VERSION-KEY` (see build_key)."""
     root = os.environ.get("MUSESPARK_CACHE")
     base = Path(root) if root else Path.home() / ".cache" / "musespark"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))).hexdigest()[:12]
-    return base / "kernels" / f"torch-{torch.__version__}-{digest}"
+    return base / "kernels" / f"torch-{torch.__version__}-{build_key()}"
 
 
 def native_ops() -> Any:
@@ -90,14 +120,26 @@ def _build() -> Any:
 
 
 def _compile() -> Any:
+    """Load the cached library, or build it in a private directory and move that into place
+    with one rename: a crashed build leaves no half-written cache, and of two processes
+    building at once one rename wins and both load a complete library."""
+    final = cache_dir()
+    start = time.perf_counter()
+    if (final / _LIBRARY).is_file():
+        torch.ops.load_library(str(final / _LIBRARY))
+        return torch.ops.musespark_cpu
     from torch.utils.cpp_extension import load
 
-    build_dir = cache_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    load(name="musespark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(build_dir),
-         extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)
-    logger.info("musespark CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        load(name="musespark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(staging),
+             extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=False)
+        try:
+            os.rename(staging, final)
+        except OSError:  # another process finished first: its library is as good as ours
+            pass
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("musespark CPU kernels built in %.1f s (%s)", time.perf_counter() - start, final)
     return torch.ops.musespark_cpu
-

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import signal
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -34,6 +36,7 @@ from .async_engine import AsyncEngine, EngineDeadError
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from .chat_output import check_parsers
 from .serving import APIError, ChatSettings, Serving
+from .transport import header_timeout_protocol
 
 logger = logging.getLogger("musespark.server")
 
@@ -55,10 +58,18 @@ class ServerConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # Transport: seconds a connection may take to send a request's headers; browser origins
+    # allowed by CORS (none by default); proxies whose X-Forwarded-* headers are believed
+    # (None: nobody's; uvicorn's syntax, e.g. "10.0.0.1,10.0.0.2" or "*").
+    header_timeout_s: float = 10.0
+    allowed_origins: tuple[str, ...] = ()
+    forwarded_allow_ips: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
             raise ValueError(f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s must be positive, got {self.header_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         if self.chat_template is not None:
@@ -81,24 +92,42 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+def _is_json(content_type: bytes | None) -> bool:
+    """application/json or application/*+json, parameters (charset=...) allowed."""
+    if content_type is None:
+        return False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
 class GuardMiddleware:
-    """API key on /v1/* (constant-time compare) and the request body limit (from
-    Content-Length, then while reading). The body is buffered and replayed to the app;
-    later receive() calls (disconnect detection) go to the server."""
+    """API key on /v1/* (constant-time compare; the `Bearer` scheme in any case), JSON-only
+    POST bodies (415 otherwise: a web page cannot make a browser send JSON cross-origin
+    without a CORS preflight), and the request body limit (from Content-Length, then while
+    reading). The body is buffered and replayed to the app; later receive() calls
+    (disconnect detection) go to the server."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app, self.config = app, config
-        self._want = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self._want = config.api_key.encode() if config.api_key else None
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        ok = hmac.compare_digest(token.strip(), self._want or b"")
+        return ok and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
         if self._want is not None and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._want):
+            if not self._authorized(headers.get(b"authorization", b"")):
                 return await _error(401, "Unauthorized: missing or wrong API key")(scope, receive, send)
+        if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):
+            return await _error(415, "request bodies must be JSON (Content-Type: application/json)")(
+                scope, receive, send)
         limit = self.config.max_request_body_bytes
-        length = dict(scope["headers"]).get(b"content-length")
+        length = headers.get(b"content-length")
         if length is not None:
             try:
                 too_big = int(length) > limit
@@ -152,17 +181,49 @@ class SSEResponse(StreamingResponse):
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
     body = await request.body()
     try:
-        data = json.loads(body)
+        # Strict UTF-8 (json.loads on bytes would let encoded surrogates through).
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"invalid JSON body: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if "\\u" in text:  # now only \uXXXX escapes can smuggle in a lone surrogate
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise APIError(400, f"{where or 'body'}: a string holds a lone surrogate (\\ud800-\\udfff escape), "
+                           "which is not valid Unicode", where.split(".", 1)[0].split("[", 1)[0] or None)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path (`messages[0].content`) of the first string or key holding a lone surrogate."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return where
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                child = f"{where}.{k}" if where else str(k)
+                if _SURROGATE.search(k):
+                    return child
+                stack.append((v, child))
+        elif isinstance(item, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
+    return None
 
 
 def _validation_error(errors: Any) -> APIError:
@@ -197,6 +258,26 @@ async def _until_disconnect(request: Request, work: Any) -> Any:
     return task.result()
 
 
+class Preparation:
+    """Runs CPU-heavy request preparation (tokenizing, chat rendering, grammar compiling) in
+    worker threads, at most `threads` at once and `queue` more waiting: beyond that a request
+    is refused with 503 at once instead of piling up behind the others."""
+
+    def __init__(self, threads: int = 4, queue: int = 64) -> None:
+        self._slots = asyncio.Semaphore(threads)
+        self._queue, self._pending = queue, 0
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        if self._pending >= self._queue:
+            raise APIError(503, "the server is busy preparing other requests; retry shortly")
+        self._pending += 1
+        try:
+            async with self._slots:
+                return await asyncio.to_thread(fn, *args)
+        finally:
+            self._pending -= 1
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's JSON shape."""
 
@@ -228,6 +309,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     lines per route, and the server's whole surface reads best in one place.)"""
     async_engine = AsyncEngine(engine, config.model_name, log_requests=config.log_requests)
     serving = Serving(async_engine, config.model_name, config.max_sequences_per_request, config.chat_settings())
+    prep = Preparation()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -238,6 +320,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="musespark", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine
     app.add_middleware(GuardMiddleware, config=config)
+    if config.allowed_origins:  # outermost: preflights are answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     _add_error_handlers(app)
 
@@ -262,7 +347,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        base, jobs = await asyncio.to_thread(serving.completion_jobs, req)
+        base, jobs = await prep.run(serving.completion_jobs, req)
         if req.stream:
             return SSEResponse(serving.completion_stream(base, req, jobs))
 
@@ -275,7 +360,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        base, jobs = await asyncio.to_thread(serving.chat_jobs, req)
+        base, jobs = await prep.run(serving.chat_jobs, req)
         if req.stream:
             return SSEResponse(serving.chat_stream(base, req, jobs))
 
@@ -288,17 +373,17 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> dict[str, Any]:
         req = await _parse(request, ChatCompletionRequest)
-        return await asyncio.to_thread(serving.render, req)
+        return await prep.run(serving.render, req)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = await _parse(request, TokenizeRequest)
-        return await asyncio.to_thread(serving.tokenize, req)
+        return await prep.run(serving.tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         req = await _parse(request, DetokenizeRequest)
-        return await asyncio.to_thread(serving.detokenize, req)
+        return await prep.run(serving.detokenize, req)
 
     return app
 
@@ -311,7 +396,10 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
 
     app = build_app(engine, config)
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=config.log_requests,
-                        timeout_graceful_shutdown=config.graceful_shutdown_s, lifespan="on")
+                        timeout_graceful_shutdown=config.graceful_shutdown_s, lifespan="on",
+                        http=header_timeout_protocol(config.header_timeout_s),
+                        proxy_headers=config.forwarded_allow_ips is not None,
+                        forwarded_allow_ips=config.forwarded_allow_ips)
     server = uvicorn.Server(uv)
     # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler
     # makes that a clean exit (status 0) instead of death by SIGTERM.

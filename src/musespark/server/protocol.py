@@ -151,7 +151,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+            405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
             503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 

@@ -81,9 +81,14 @@ class Serving:
         self.chat = chat or ChatSettings()
 
     # -- request -> jobs (worker thread) ------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, req: CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest
+                    ) -> None:
+        """The request names this server's model (or none); its stream_options come with stream."""
+        name = req.model
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
+        if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
+            raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
 
     def _jobs(self, base_id: str, prompts: list[ProcessedPrompt], fields: dict[str, Any],
               max_tokens: int | None, kind: str) -> list[Job]:
@@ -105,7 +110,7 @@ class Serving:
         return jobs
 
     def completion_jobs(self, req: CompletionRequest) -> tuple[str, list[Job]]:
-        self.check_model(req.model)
+        self.check_model(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         if req.echo and req.logprobs is not None:
@@ -131,7 +136,7 @@ class Serving:
         return base, jobs
 
     def chat_jobs(self, req: ChatCompletionRequest) -> tuple[str, list[Job]]:
-        self.check_model(req.model)
+        self.check_model(req)
         if self.inputs.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
         if req.top_logprobs is not None and not req.logprobs:
@@ -178,7 +183,7 @@ class Serving:
                 "token_ids": job.prompt.token_ids}
 
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
-        self.check_model(req.model)
+        self.check_model(req)
         if self.inputs.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if (req.prompt is None) == (req.messages is None):
@@ -190,7 +195,7 @@ class Serving:
         return {"count": len(ids), "max_model_len": self.inputs.max_model_len, "tokens": ids}
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
-        self.check_model(req.model)
+        self.check_model(req)
         tok = self.inputs.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer")
