@@ -128,6 +128,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context limit
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs besides the chosen token
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many top ones
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
@@ -221,11 +222,12 @@ class SamplingParams:
             raise _bad("min_tokens", mn, f"<= max_tokens ({self.max_tokens})")
         set_("min_tokens", int(mn))
 
-        lp = self.logprobs
-        if lp is not None:
-            if not _is_int(lp) or lp < 0:
-                raise _bad("logprobs", lp, "None or an int >= 0")
-            set_("logprobs", int(lp))
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None:
+                if not _is_int(lp) or lp < 0:
+                    raise _bad(name, lp, "None or an int >= 0")
+                set_(name, int(lp))
 
         self._check_logit_controls()
 

@@ -32,13 +32,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import NULL_BLOCK, BlockHash, BlockPool, hash_block
+from .block_pool import NULL_BLOCK, BlockHash, BlockPool, hash_block, salt_root
 
 
 @dataclass
 class _RequestState:
     tables: list[list[int]]  # per group, indexed by logical block; NULL_BLOCK = released
     hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks
+    root: BlockHash | None = None  # the chain's root: the request's cache salt, hashed (None: unsalted)
     num_hashed: list[int] = field(default_factory=list)  # per group: leading blocks already registered
 
 
@@ -86,21 +87,24 @@ class KVCacheManager:
         w = self.group_windows[group]
         return 0 if w is None else max(0, first_query_pos - w + 1) // self.block_size
 
-    def _hashes(self, token_ids: Sequence[int], n_blocks: int, known: list[BlockHash]) -> list[BlockHash]:
-        """Extend `known` (in place) to the chained hashes of the first n_blocks full blocks."""
+    def _hashes(self, token_ids: Sequence[int], n_blocks: int, known: list[BlockHash],
+                root: BlockHash | None = None) -> list[BlockHash]:
+        """Extend `known` (in place) to the chained hashes of the first n_blocks full blocks;
+        the chain starts from `root` (a cache salt's hash), so salted blocks match only
+        blocks of the same salt."""
         bs = self.block_size
         while len(known) < n_blocks:
             i = len(known)
-            known.append(hash_block(known[-1] if known else None, token_ids[i * bs:(i + 1) * bs]))
+            known.append(hash_block(known[-1] if known else root, token_ids[i * bs:(i + 1) * bs]))
         return known
 
-    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[int, list[BlockHash]]:
+    def _cached_prefix(self, token_ids: Sequence[int], root: BlockHash | None) -> tuple[int, list[BlockHash]]:
         """Longest number of leading blocks usable from the cache in every group."""
         bs = self.block_size
         max_blocks = max(0, len(token_ids) - 1) // bs  # at least one token must be computed
         if not self.enable_prefix_caching or max_blocks == 0:
             return 0, []
-        hashes = self._hashes(token_ids, max_blocks, [])
+        hashes = self._hashes(token_ids, max_blocks, [], root)
         present = [[self.pool.lookup((g, h)) is not None for h in hashes] for g in range(self.num_groups)]
         # Full groups need every block of the prefix.
         k = max_blocks
@@ -119,15 +123,16 @@ class KVCacheManager:
         return k, hashes[:k]
 
     # -- public API -------------------------------------------------------------
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Prompt tokens whose KV is already cached (a multiple of block_size, < len(token_ids)).
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens whose KV is already cached (a multiple of block_size, < len(token_ids))
+        under `cache_salt` (requests with different salts never share blocks).
 
         A pure lookup: nothing is claimed until `allocate_slots`, which must follow
         before any other allocation could evict the hit blocks.
         """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        k, _ = self._cached_prefix(token_ids)
+        k, _ = self._cached_prefix(token_ids, salt_root(cache_salt))
         self.prefix_queries += len(token_ids)
         self.prefix_hits += k * self.block_size
         return k * self.block_size
@@ -138,6 +143,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
+        cache_salt: str | None = None,
     ) -> bool:
         """Make positions [0, num_computed_tokens + num_new_tokens) writable/readable in every group.
 
@@ -146,6 +152,7 @@ class KVCacheManager:
         Full blocks below `num_computed_tokens` get hashed; sliding-group blocks the
         queries at >= num_computed_tokens cannot reach are released (-1).
         Returns False and changes nothing when the pool cannot supply the blocks.
+        `cache_salt` applies to a request without blocks (it is kept for the request's life).
 
         (Over 60 lines on purpose: lookup, plan and commit stay in one function so that the
         all-or-nothing rule is visible in one place; nothing is changed before the commit.)
@@ -160,7 +167,8 @@ class KVCacheManager:
             if c % bs:
                 raise ValueError(f"a new request's computed tokens must be whole cached blocks, got {c}")
             k = c // bs
-            hashes = self._hashes(token_ids, k, [])
+            root = salt_root(cache_salt)
+            hashes = self._hashes(token_ids, k, [], root)
             for g in range(self.num_groups):
                 first = self._first_reachable_block(g, c)
                 for i, h in enumerate(hashes):
@@ -196,7 +204,7 @@ class KVCacheManager:
                 for b in hb:
                     if b != NULL_BLOCK:
                         self.pool.touch(b)
-            state = _RequestState(tables=tables, hashes=hashes, num_hashed=[len(t) for t in tables])
+            state = _RequestState(tables=tables, hashes=hashes, root=root, num_hashed=[len(t) for t in tables])
             self._requests[request_id] = state
         self._register_full_blocks(state, token_ids, c)
         for g, idx in enumerate(to_release):
@@ -219,7 +227,7 @@ class KVCacheManager:
         n_full = min(num_computed, len(token_ids)) // self.block_size
         if all(n >= n_full for n in state.num_hashed):
             return
-        self._hashes(token_ids, n_full, state.hashes)
+        self._hashes(token_ids, n_full, state.hashes, state.root)
         for g, table in enumerate(state.tables):
             for i in range(state.num_hashed[g], min(n_full, len(table))):
                 bid = table[i]

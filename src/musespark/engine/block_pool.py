@@ -27,6 +27,13 @@ BlockHash = bytes  # 32-byte sha256 digest
 CacheKey = tuple[int, BlockHash]  # (group, block hash)
 
 
+def salt_root(cache_salt: str | None) -> BlockHash | None:
+    """The hash chain's root for a cache salt (None: the unsalted chain)."""
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(b"musespark-cache-salt\x00" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """Chained hash of one full block: depends on the block's tokens and its whole prefix."""
     h = hashlib.sha256(parent if parent is not None else b"\x00" * 32)

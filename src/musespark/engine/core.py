@@ -43,6 +43,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length"; None while running
     stop_reason: str | int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
+    # prompt_logprobs computed this step: (position of the first scored prompt token, entries)
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,8 +77,10 @@ class EngineCore:
         self.num_steps = 0
 
     # -- requests -------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue one sequence (the prompt is already validated)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queue one sequence (the prompt is already validated). Requests share cached
+        prefix blocks only with requests of the same `cache_salt`."""
         limit = self.config.scheduler.max_model_len
         max_tokens = limit - len(prompt_token_ids) if params.max_tokens is None else params.max_tokens
         seed = params.seed
@@ -92,7 +96,7 @@ class EngineCore:
             grammar = params._compiled_grammar.new_state(stops or self.eos_token_ids)
         self.scheduler.add(Request(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
                                    max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, generator=generator,
-                                   grammar=grammar))
+                                   grammar=grammar, cache_salt=cache_salt))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish with reason "abort" and free blocks at once; unknown or finished ids are ignored."""
@@ -122,13 +126,15 @@ class EngineCore:
         outputs = []
         for request in batch.requests:
             token = out.sampled.get(request.request_id)
-            if token is None:  # a prefill chunk that did not reach the end of the prompt
+            scored = out.prompt_logprobs.get(request.request_id)
+            if token is None and scored is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
             lp = out.logprobs.get(request.request_id)
             outputs.append(EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[token], new_logprobs=None if lp is None else [lp],
-                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                num_cached_tokens=request.num_cached_tokens))
+                request_id=request.request_id, new_token_ids=[] if token is None else [token],
+                new_logprobs=None if lp is None else [lp], finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
+                prompt_logprobs=scored))
         return outputs
 
     def stats(self) -> EngineStats:

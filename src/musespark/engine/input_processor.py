@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ class ProcessedPrompt:
 
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None  # prefix-cache namespace (vLLM's prompt "cache_salt")
 
 
 class InputProcessor:
@@ -81,17 +82,20 @@ class InputProcessor:
             self._check_length(prompt, "prompt")
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
                 raise InvalidArgumentError(f"prompt has unknown key(s) {sorted(unknown)}", param="prompt")
+            salt = prompt.get("cache_salt")
+            if salt is not None and not (isinstance(salt, str) and salt):
+                raise InvalidArgumentError("cache_salt must be a non-empty string", param="cache_salt")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(
                         isinstance(t, int) and not isinstance(t, bool) for t in ids):
                     raise InvalidArgumentError("prompt_token_ids must be a list of ints", param="prompt_token_ids")
-                return ProcessedPrompt(prompt.get("prompt"), list(ids))
+                return ProcessedPrompt(prompt.get("prompt"), list(ids), salt)
             if "prompt" in prompt:
-                return self.process_prompt(prompt["prompt"])
+                return replace(self.process_prompt(prompt["prompt"]), cache_salt=salt)
         raise InvalidArgumentError(
             f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
 

@@ -93,7 +93,7 @@ class LLMEngine:
         self.output_processor.add_request(request_id, processed.text, processed.token_ids, params,
                                           [child_id for child_id, _ in children], output_parser)
         for child_id, child_params in children:
-            self.core.add_request(child_id, processed.token_ids, child_params)
+            self.core.add_request(child_id, processed.token_ids, child_params, processed.cache_salt)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort every sequence of the request and free their blocks at once; the final

@@ -16,7 +16,7 @@ window really gives memory back to the pool.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,12 +61,16 @@ def available_memory() -> int:
 
 # Per sampled request: (chosen token's logprob, top token ids, their logprobs), best first.
 TokenLogprobs = tuple[float, list[int], list[float]]
+_SCORE_ROWS = 256  # prompt positions scored per logits slice (bounds a [rows, V] fp32 tensor)
 
 
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, TokenLogprobs]  # for sampled requests that asked for logprobs
+    # For requests that asked for prompt_logprobs and computed prompt positions this step:
+    # (position of the first prompt token scored, one TokenLogprobs per scored token).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -104,6 +108,7 @@ class ModelRunner:
         qsl, seq_lens = [0], []
         sample_rows: list[int] = []
         sample_reqs: list[Request] = []
+        scored: list[tuple[Request, int, int, int]] = []  # prompt_logprobs: (request, first row, first pos, n)
         groups: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in self.layout.group_windows]
         for request, n, req_tables in zip(batch.requests, batch.num_new, batch.block_tables):
             start = request.num_computed_tokens
@@ -119,6 +124,10 @@ class ModelRunner:
             if end == request.num_tokens:  # the last known token is computed: sample the next
                 sample_rows.append(qsl[-1] - 1)
                 sample_reqs.append(request)
+            # Prompt logprobs: the logits at position p score prompt token p + 1.
+            last_scored = min(end, len(request.prompt_token_ids) - 1)
+            if request.params.prompt_logprobs is not None and last_scored > start:
+                scored.append((request, qsl[-2], start, last_scored - start))
         kv_groups = []
         for slots, tables in groups:
             width = max(len(t) for t in tables)
@@ -129,11 +138,35 @@ class ModelRunner:
                                groups=kv_groups, layer_group=self.layout.layer_group)
         hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), ctx)
         out = ModelRunnerOutput(sampled={}, logprobs={})
+        for request, row, first, n in scored:
+            out.prompt_logprobs[request.request_id] = (first + 1, self._score_prompt(hidden, request, row, first, n))
         if not sample_reqs:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
         self._sample(logits, sample_reqs, out)
         return out
+
+    def _score_prompt(self, hidden: torch.Tensor, request: Request, row: int, first: int, n: int
+                      ) -> list[TokenLogprobs]:
+        """Logprobs (raw logits' log_softmax, as for sampled tokens) of prompt tokens
+        first+1 .. first+n from hidden rows row .. row+n-1, in slices that bound the [rows, V]
+        logits; each with the top `prompt_logprobs` tokens."""
+        k = request.params.prompt_logprobs
+        device = hidden.device
+        result: list[TokenLogprobs] = []
+        for lo in range(0, n, _SCORE_ROWS):
+            m = min(_SCORE_ROWS, n - lo)
+            logits = self.model.compute_logits(hidden[row + lo:row + lo + m]).float()  # [m, V]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            targets = torch.tensor(request.prompt_token_ids[first + lo + 1:first + lo + 1 + m], device=device)
+            chosen = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1).tolist()
+            if k:
+                vals, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+                tops, top_ids = (vals - lse).tolist(), ids.tolist()
+            else:
+                tops, top_ids = [[] for _ in range(m)], [[] for _ in range(m)]
+            result.extend(zip(chosen, top_ids, tops))
+        return result
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: ModelRunnerOutput) -> None:
         V = logits.shape[-1]

@@ -65,6 +65,7 @@ class _Parent:
     prompt_token_ids: list[int]
     seqs: list[_Sequence]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # indexed by prompt position
 
     @property
     def finished(self) -> bool:
@@ -103,7 +104,8 @@ class OutputProcessor:
             if output_parser is not None:
                 seq.parser, seq.reasoning_counter = output_parser(), ReasoningTokenCounter()
             seqs.append(seq)
-        parent = _Parent(request_id, prompt, prompt_token_ids, seqs)
+        parent = _Parent(request_id, prompt, prompt_token_ids, seqs,
+                         prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
         self._parents[request_id] = parent
         for seq in seqs:
             self._seqs[seq.request_id] = (parent, seq)
@@ -126,6 +128,12 @@ class OutputProcessor:
                 continue
             parent, seq = found
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                first, entries = out.prompt_logprobs  # by position: a recomputed prompt rewrites the same slots
+                for j, lp in enumerate(entries):
+                    parent.prompt_logprobs[first + j] = self._logprob_entry(parent.prompt_token_ids[first + j], lp)
+            if not out.new_token_ids and out.finish_reason is None:
+                continue  # a prompt chunk scored, nothing generated yet
             delta = self._advance(seq, out, stopped)
             deltas.setdefault(parent.request_id, {})[seq.index] = delta
             touched[parent.request_id] = parent
@@ -239,7 +247,8 @@ class OutputProcessor:
             completions.append(completion)
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids, outputs=completions,
-                             finished=parent.finished, num_cached_tokens=parent.num_cached_tokens)
+                             finished=parent.finished, num_cached_tokens=parent.num_cached_tokens,
+                             prompt_logprobs=parent.prompt_logprobs)
 
     def _drop(self, parent: _Parent) -> None:
         del self._parents[parent.request_id]

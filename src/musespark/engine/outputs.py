@@ -57,3 +57,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob and the top ones
+    # (None for the first token, which nothing predicts), as vLLM gives them; live while the
+    # prompt is being computed, complete from the first generated token on.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -42,6 +42,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     grammar: Any = None  # structured.GrammarState when params.structured_outputs is set
+    cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only within one salt
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -129,9 +129,12 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed = kv.get_computed_blocks(request.request_id, request.token_ids)
+            # A request that wants its prompt's logprobs computes the whole prompt (cached
+            # blocks would skip positions it needs).
+            computed = 0 if request.params.prompt_logprobs is not None else \
+                kv.get_computed_blocks(request.request_id, request.token_ids, request.cache_salt)
             n = min(request.num_tokens - computed, budget)
-            if not kv.allocate_slots(request.request_id, request.token_ids, computed, n):
+            if not kv.allocate_slots(request.request_id, request.token_ids, computed, n, request.cache_salt):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = computed

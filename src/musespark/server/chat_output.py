@@ -93,7 +93,7 @@ def chat_finish_reason(c: CompletionOutput, has_tool_calls: bool, tool_choice: A
 
 
 def chat_usage(out: RequestOutput, n_out: int) -> dict[str, Any]:
-    body: dict[str, Any] = usage(len(out.prompt_token_ids), n_out)
+    body: dict[str, Any] = usage(len(out.prompt_token_ids), n_out, out.num_cached_tokens)
     if any(c.delta_parsed is not None for c in out.outputs):
         body["completion_tokens_details"] = {"reasoning_tokens": sum(c.num_reasoning_tokens for c in out.outputs)}
     return body

@@ -65,6 +65,8 @@ class _SamplingRequest(_Request):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # Prefix-cache namespace: requests share cached prompt blocks only with the same salt.
+    cache_salt: StrictStr | None = Field(None, min_length=1)
 
     _GEN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty")
@@ -99,6 +101,11 @@ class CompletionRequest(_SamplingRequest):
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: StrictStr | None = None
+    # vLLM's scoring extensions: the prompt's own logprobs, token ids in the response, and
+    # keeping only the last N prompt tokens.
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: StrictBool = False
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
@@ -144,9 +151,12 @@ class DetokenizeRequest(_Request):
 
 # -- responses (plain dicts built by helpers keep the hot path cheap) ---------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage block; `prompt_tokens_details.cached_tokens` is the prompt tokens the
+    prefix cache served (the engine's count)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

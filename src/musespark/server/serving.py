@@ -113,8 +113,6 @@ class Serving:
         self.check_model(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", "echo")
         raw = req.prompt
         if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
             raw = [raw]
@@ -122,8 +120,12 @@ class Serving:
             prompts = [self.inputs.process_prompt(p if isinstance(p, str) else {"prompt_token_ids": p}) for p in raw]
         except ValueError as exc:
             raise bad_request(exc) from None
+        prompts = [self._truncate(p, req.truncate_prompt_tokens, req.cache_salt) for p in prompts]
         fields = req.sampling_fields(self.inputs.generation_defaults)
         fields["logprobs"] = req.logprobs
+        # echo with logprobs scores the prompt too (lm-evaluation-harness's loglikelihood).
+        asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+        fields["prompt_logprobs"] = max(asked) if asked else None
         try:
             fields["structured_outputs"] = request_constraint(req.response_format, req.structured_outputs)
         except ValueError as exc:
@@ -131,9 +133,15 @@ class Serving:
         base = random_id("cmpl")
         jobs = self._jobs(base, prompts, fields, req.max_tokens, "prompt")
         if req.echo:  # the echoed text of a token-id prompt is decoded here, off the event loop
-            jobs = [Job(j.request_id, ProcessedPrompt(self._prompt_text(j.prompt), j.prompt.token_ids), j.params)
-                    for j in jobs]
+            jobs = [replace(j, prompt=replace(j.prompt, text=self._prompt_text(j.prompt))) for j in jobs]
         return base, jobs
+
+    def _truncate(self, prompt: ProcessedPrompt, keep: int | None, cache_salt: str | None) -> ProcessedPrompt:
+        """vLLM's truncate_prompt_tokens (keep the last `keep` tokens; the text then no longer
+        matches and is dropped) and the request's cache_salt."""
+        if keep is not None and len(prompt.token_ids) > keep:
+            prompt = ProcessedPrompt(None, prompt.token_ids[-keep:])
+        return replace(prompt, cache_salt=cache_salt)
 
     def chat_jobs(self, req: ChatCompletionRequest) -> tuple[str, list[Job]]:
         self.check_model(req)
@@ -141,7 +149,7 @@ class Serving:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "when using top_logprobs, logprobs must be set to true", "top_logprobs")
-        prompt = self._render_chat(req, req.messages, tool_choice=req.tool_choice)
+        prompt = replace(self._render_chat(req, req.messages, tool_choice=req.tool_choice), cache_salt=req.cache_salt)
         fields = req.sampling_fields(self.inputs.generation_defaults)
         fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
         parser = output_parser_factory(self.chat.reasoning_parser, self.chat.tool_call_parser, req)
@@ -256,17 +264,45 @@ class Serving:
     # -- rendering ---------------------------------------------------------------------------
     def completion_response(self, base: str, req: CompletionRequest, jobs: list[Job],
                             finals: list[RequestOutput]) -> dict[str, Any]:
-        choices, n_prompt, n_out = [], 0, 0
+        choices, n_prompt, n_out, n_cached = [], 0, 0, 0
         for i, out in enumerate(finals):
             n_prompt += len(out.prompt_token_ids)
+            n_cached += out.num_cached_tokens
             for c in out.outputs:
                 n_out += len(c.token_ids)
                 text = (out.prompt or "") + c.text if req.echo else c.text
-                choices.append({"index": i * req.n + c.index, "text": text,
-                                "logprobs": self.completion_logprobs(c.logprobs, c.token_ids, 0),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": i * req.n + c.index, "text": text,
+                          "logprobs": self._choice_logprobs(req, out, c.logprobs, c.token_ids, True),
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                choices.append(self._scoring_fields(req, out, choice, c.token_ids))
         return {**envelope("text_completion", base, self.model_name), "choices": choices,
-                "usage": usage(n_prompt, n_out)}
+                "usage": usage(n_prompt, n_out, n_cached)}
+
+    def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, entries: list | None, ids: list[int],
+                         first: bool) -> dict[str, Any] | None:
+        """A choice's logprobs; with echo, the first chunk's also cover the prompt (the first
+        prompt token has none: nothing predicts it)."""
+        if entries is None:
+            return None
+        if req.echo and first and out.prompt_logprobs is not None:
+            entries = out.prompt_logprobs + entries
+            ids = out.prompt_token_ids + ids
+        return self.completion_logprobs(entries, ids, 0, req.logprobs)
+
+    def _scoring_fields(self, req: CompletionRequest, out: RequestOutput, choice: dict[str, Any],
+                        token_ids: list[int]) -> dict[str, Any]:
+        """vLLM's prompt_logprobs ({token id: {logprob, rank, decoded_token}} per prompt token)
+        and return_token_ids (prompt_token_ids, token_ids) on a choice."""
+        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = [
+                None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token":
+                                                 lp.decoded_token}
+                                        for t, lp in e.items() if lp.rank is None or lp.rank <= req.prompt_logprobs}
+                for e in out.prompt_logprobs]
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = list(token_ids)
+        return choice
 
     def chat_response(self, base: str, req: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any]:
         choices = [{"index": c.index, "message": chat_message(c, req.include_reasoning),
@@ -277,19 +313,24 @@ class Serving:
         return {**envelope("chat.completion", base, self.model_name), "choices": choices,
                 "usage": chat_usage(final, n_out)}
 
-    def completion_logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int], offset: int
-                            ) -> dict[str, Any] | None:
-        """OpenAI's completion logprobs of `ids`, whose entries are `entries` (same length)."""
+    def completion_logprobs(self, entries: list[dict[int, Logprob] | None] | None, ids: list[int], offset: int,
+                            top: int | None = None) -> dict[str, Any] | None:
+        """OpenAI's completion logprobs of `ids`, whose entries are `entries` (same length; a
+        None entry, the first prompt token's, gives null logprobs); at most `top` top ones."""
         if entries is None:
             return None
         tokens, chosen, tops, offsets = [], [], [], []
         for token_id, entry in zip(ids, entries):
-            name = self._token_name(token_id, entry)
+            name = self._token_name(token_id, entry or {})
             offsets.append(offset)
             offset += len(name)
             tokens.append(name)
+            if entry is None:
+                chosen.append(None)
+                tops.append(None)
+                continue
             chosen.append(entry[token_id].logprob)
-            tops.append({self._token_name(t, entry): lp.logprob for t, lp in self._ranked(entry)})
+            tops.append({self._token_name(t, entry): lp.logprob for t, lp in self._ranked(entry)[:top]})
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int]) -> dict[str, Any] | None:
@@ -309,10 +350,12 @@ class Serving:
     def _ranked(entry: dict) -> list:
         return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
 
-    @staticmethod
-    def _token_name(token_id: int, entry: dict) -> str:
+    def _token_name(self, token_id: int, entry: dict) -> str:
         lp = entry.get(token_id)
-        return lp.decoded_token if lp is not None and lp.decoded_token is not None else f"token_id:{token_id}"
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        tok = self.inputs.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
 
     # -- streaming ---------------------------------------------------------------------------
     async def completion_stream(self, base: str, req: CompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
@@ -331,21 +374,28 @@ class Serving:
                     if index in finished or not (c.delta_token_ids or c.finish_reason):
                         continue
                     text = c.delta_text
-                    if req.echo and index not in started:
+                    first = index not in started
+                    if req.echo and first:
                         text = (out.prompt or "") + text
                     started.add(index)
-                    lp = self.completion_logprobs(c.delta_logprobs, c.delta_token_ids, offsets.get(index, 0))
+                    lp = self._choice_logprobs(req, out, c.delta_logprobs, c.delta_token_ids, first)
                     if lp is not None:
+                        lp["text_offset"] = [o + offsets.get(index, 0) for o in lp["text_offset"]]
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
                     choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                               "stop_reason": c.stop_reason}
+                    if first:
+                        choice = self._scoring_fields(req, out, choice, [])
+                    if req.return_token_ids:
+                        choice["token_ids"] = list(c.delta_token_ids)
                     if c.finish_reason:
                         finished.add(index)
                     yield _sse({**head, "choices": [choice]})
             if req.include_usage:
                 n_prompt = sum(len(o.prompt_token_ids) for o in last.values())
                 n_out = sum(len(c.token_ids) for o in last.values() for c in o.outputs)
-                yield _sse({**head, "choices": [], "usage": usage(n_prompt, n_out)})
+                n_cached = sum(o.num_cached_tokens for o in last.values())
+                yield _sse({**head, "choices": [], "usage": usage(n_prompt, n_out, n_cached)})
         except Exception as exc:
             yield _sse(error_body(f"generation failed: {exc}", 500))
         finally:
