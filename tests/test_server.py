@@ -132,6 +132,9 @@ def test_models_health_version_tokenize(server, client, llm):
     ids = llm.get_tokenizer().encode(PROMPTS[0])
     assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == MAX_MODEL_LEN
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"] == PROMPTS[0]
+    strs = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True},
+                      headers=AUTH).json()["token_strs"]
+    assert strs == [llm.get_tokenizer().id_to_token(t) for t in ids] and len(strs) == len(ids)
     m = metrics(server.url)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:gpu_cache_usage_perc", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",

@@ -142,6 +142,7 @@ class TokenizeRequest(_ChatTemplateFields):
     prompt: StrictStr | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool = False  # vLLM: also each token's vocabulary string
 
 
 class DetokenizeRequest(_Request):

@@ -200,7 +200,10 @@ class Serving:
             ids = self._render_chat(req, req.messages, bool(req.add_special_tokens)).token_ids
         else:
             ids = self.inputs.tokenize(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-        return {"count": len(ids), "max_model_len": self.inputs.max_model_len, "tokens": ids}
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.inputs.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = [self.inputs.tokenizer.id_to_token(t) for t in ids]
+        return body
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req)
