@@ -18,6 +18,7 @@ import signal
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -45,6 +46,12 @@ logger = logging.getLogger("musespark.server")
 class ServerConfig:
     model_name: str
     api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # more keys (--api-key given several times): any of them is accepted
+    model_aliases: tuple[str, ...] = ()  # --served-model-name's other names (model_name is the first)
+    max_logprobs: int = 20  # --max-logprobs: most logprobs/top_logprobs a request may ask (-1: protocol cap only)
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (--disable-fastapi-docs turns them off)
+    ssl_keyfile: str | None = None  # HTTPS: both files, or neither
+    ssl_certfile: str | None = None
     max_request_body_bytes: int = 1 << 20
     max_sequences_per_request: int = 256  # prompts x n in one request
     log_requests: bool = True
@@ -72,11 +79,25 @@ class ServerConfig:
             raise ValueError(f"header_timeout_s must be positive, got {self.header_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        for f in (self.ssl_keyfile, self.ssl_certfile):
+            if f is not None and not Path(f).is_file():
+                raise ValueError(f"no such file: {f}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or more, got {self.max_logprobs}")
         if self.chat_template is not None:
             compile_template(self.chat_template)  # a template that does not compile fails now
         parse_template_kwargs(self.default_chat_template_kwargs, "default_chat_template_kwargs")
         parse_reasoning_effort_map(self.reasoning_effort_map)
         check_parsers(self.reasoning_parser, self.tool_call_parser, self.enable_auto_tool_choice)
+
+    @property
+    def all_api_keys(self) -> tuple[str, ...]:
+        """api_key and api_keys, each once (empty: no key is required)."""
+        return tuple(dict.fromkeys(((self.api_key,) if self.api_key else ()) + self.api_keys))
 
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(
@@ -101,7 +122,7 @@ def _is_json(content_type: bytes | None) -> bool:
 
 
 class GuardMiddleware:
-    """API key on /v1/* (constant-time compare; the `Bearer` scheme in any case), JSON-only
+    """API key on /v1/* (constant-time compare with each key; the `Bearer` scheme in any case), JSON-only
     POST bodies (415 otherwise: a web page cannot make a browser send JSON cross-origin
     without a CORS preflight), and the request body limit (from Content-Length, then while
     reading). The body is buffered and replayed to the app; later receive() calls
@@ -109,19 +130,27 @@ class GuardMiddleware:
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app, self.config = app, config
-        self._want = config.api_key.encode() if config.api_key else None
+        self._keys = tuple(k.encode() for k in config.all_api_keys)
+        self._want = self._keys or None  # None: no key required
 
-    def _authorized(self, header: bytes) -> bool:
+    def _matches(self, token: bytes) -> bool:
+        """Compares with every key (no early exit), so timing tells nothing of which matched."""
+        return sum(hmac.compare_digest(token, key) for key in self._keys) > 0
+
+    def _authorized(self, header: bytes, x_api_key: bytes | None = None) -> bool:
+        """`Authorization: Bearer KEY`, or Anthropic clients' `x-api-key: KEY`."""
         scheme, _, token = header.strip().partition(b" ")
-        ok = hmac.compare_digest(token.strip(), self._want or b"")
-        return ok and scheme.lower() == b"bearer"
+        ok = self._matches(token.strip()) and scheme.lower() == b"bearer"
+        if x_api_key is not None:
+            ok = self._matches(x_api_key.strip()) or ok
+        return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self._want is not None and scope["path"].startswith("/v1"):
-            if not self._authorized(headers.get(b"authorization", b"")):
+            if not self._authorized(headers.get(b"authorization", b""), headers.get(b"x-api-key")):
                 return await _error(401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):
             return await _error(415, "request bodies must be JSON (Content-Type: application/json)")(
@@ -308,7 +337,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app serving `engine`. (Over 60 lines on purpose: it is the route table, a few
     lines per route, and the server's whole surface reads best in one place.)"""
     async_engine = AsyncEngine(engine, config.model_name, log_requests=config.log_requests)
-    serving = Serving(async_engine, config.model_name, config.max_sequences_per_request, config.chat_settings())
+    serving = Serving(async_engine, config.model_name, config.max_sequences_per_request, config.chat_settings(),
+                      model_aliases=config.model_aliases, max_logprobs=config.max_logprobs)
     prep = Preparation()
 
     @asynccontextmanager
@@ -317,12 +347,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         yield
         async_engine.shutdown()
 
-    app = FastAPI(title="musespark", version=__version__, lifespan=lifespan)
+    no_docs = {} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="musespark", version=__version__, lifespan=lifespan, **no_docs)
     app.state.async_engine = async_engine
     app.add_middleware(GuardMiddleware, config=config)
     if config.allowed_origins:  # outermost: preflights are answered before the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
 
     _add_error_handlers(app)
 
@@ -341,8 +372,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": 0, "owned_by": "musespark",
-            "root": str(async_engine.model_path), "parent": None, "max_model_len": async_engine.max_model_len}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "musespark",
+            "root": str(async_engine.model_path), "parent": None, "max_model_len": async_engine.max_model_len}
+            for name in (config.model_name, *config.model_aliases)]}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -375,6 +407,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         req = await _parse(request, ChatCompletionRequest)
         return await prep.run(serving.render, req)
 
+    from . import messages, responses  # here: they import this module's helpers
+    responses.add_routes(app, serving, prep)
+    messages.add_routes(app, serving, prep)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         req = await _parse(request, TokenizeRequest)
@@ -399,6 +435,7 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
                         timeout_graceful_shutdown=config.graceful_shutdown_s, lifespan="on",
                         http=header_timeout_protocol(config.header_timeout_s),
                         proxy_headers=config.forwarded_allow_ips is not None,
+                        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
                         forwarded_allow_ips=config.forwarded_allow_ips)
     server = uvicorn.Server(uv)
     # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler

@@ -73,9 +73,12 @@ class Job:
 
 class Serving:
     def __init__(self, engine: AsyncEngine, model_name: str, max_sequences_per_request: int,
-                 chat: ChatSettings | None = None) -> None:
+                 chat: ChatSettings | None = None, *, model_aliases: tuple[str, ...] = (),
+                 max_logprobs: int = -1) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.model_aliases = tuple(model_aliases)  # more names requests may use (--served-model-name)
+        self.max_logprobs = max_logprobs  # --max-logprobs (-1: only the protocol's cap)
         self.max_sequences = max_sequences_per_request
         self.inputs = engine.input_processor
         self.chat = chat or ChatSettings()
@@ -85,8 +88,12 @@ class Serving:
                     ) -> None:
         """The request names this server's model (or none); its stream_options come with stream."""
         name = req.model
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and name not in self.model_aliases:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
+        for key in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            n = getattr(req, key, None)
+            if isinstance(n, int) and not isinstance(n, bool) and 0 <= self.max_logprobs < n:
+                raise APIError(400, f"{key} must be at most {self.max_logprobs} (--max-logprobs), got {n}", key)
         if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
             raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
 
