@@ -3,7 +3,8 @@
 * `torch` — the reference formulas in plain PyTorch; every dtype and device.
 * `cpu`   — the native kernels (`kernels/`) on x86-64 CPUs with AVX2 and FMA.
 * `auto`  — `cpu` for a model on the CPU when the kernels are available (they are not
-  under `MUSESPARK_CPU_KERNELS=0`, without a compiler, or on other CPUs), else `torch`.
+  under `MUSESPARK_CPU_KERNELS=0`, without a compiler, or on other CPUs), else `torch`
+  (always `torch` for one rank of a tensor/pipeline-parallel model).
 
 A new device or kernel family is one more `Backend` subclass and one more name here.
 """
@@ -29,6 +30,10 @@ def select_backend(name: str | Backend, model: "MuseSparkForCausalLM") -> Backen
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
     if name == "torch":
+        return TorchBackend()
+    if model.parallel.world_size > 1:  # the native kernels compute whole layers: one process only
+        if name == "cpu":
+            raise ValueError("backend='cpu' runs one process; tensor/pipeline parallel models use backend='torch'")
         return TorchBackend()
     from ..kernels import cpu
     from .cpu_backend import CpuBackend

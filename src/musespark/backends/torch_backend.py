@@ -60,5 +60,7 @@ class TorchBackend(Backend):
 
     def logits(self, model: "MuseSparkForCausalLM", y: torch.Tensor) -> torch.Tensor:
         cap = model.config.final_logit_softcapping
-        x = model.lm_head(y).float() * model.config.output_multiplier
+        # Vocab-parallel head: gather every rank's block (exact), drop the padding past V.
+        x = model.parallel.gather_last_dim(model.lm_head(y))[..., :model.config.vocab_size]
+        x = x.float() * model.config.output_multiplier
         return cap * torch.tanh(x / cap)

@@ -6,6 +6,9 @@
                  sliding window 512, the default sliding/full/NoPE pattern
     bench-tiny   a very small random model for smoke tests
     tiny         the bundled musespark-tiny (its trained weights, not random)
+    muse-spark-open-816b
+                 the released Muse Spark Open 816B-A42B's shape (PARALLEL.md §10), config only:
+                 for `musespark plan`; `make_checkpoint` refuses it (no weights, 1.6 TB in bf16)
 
 `count_params(cfg)` counts from the config alone (nothing is allocated); `make_checkpoint`
 writes a seeded random checkpoint once into a cache directory and reuses it.
@@ -47,7 +50,15 @@ PRESETS: dict[str, dict[str, Any] | None] = {
         moe_hidden_size=32, moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
         sliding_window=32, mlp_layer_types=("dense", "sparse", "sparse", "sparse"), **_SPECIAL),
     "tiny": None,  # the bundled checkpoint
+    "muse-spark-open-816b": dict(
+        vocab_size=202048, hidden_size=8192, intermediate_size=16384, num_hidden_layers=62,
+        num_attention_heads=128, num_key_value_heads=16, head_dim=64,
+        moe_hidden_size=4096, moe_intermediate_size=4096, num_local_experts=256, num_experts_per_tok=8,
+        sliding_window=2048, mlp_layer_types=("sparse",) * 62, tie_word_embeddings=False,
+        layer_types=tuple("full_attention" if (61 - i) % 4 == 0 else "sliding_attention" for i in range(62))),
 }
+# Presets that describe a shape only (planning): no checkpoint is ever made for them.
+CONFIG_ONLY = frozenset({"muse-spark-open-816b"})
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -119,6 +130,10 @@ def make_checkpoint(preset: str, dtype: str | torch.dtype = "bfloat16", cache_di
     seeded random checkpoint written once to <cache_dir>/<preset>-<dtype>-seed<seed> and reused."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    if preset in CONFIG_ONLY:
+        raise ValueError(f"preset {preset!r} is a config only (for `musespark plan`): it has no weights and is "
+                         f"too large for a random checkpoint; choose one of "
+                         f"{sorted(set(PRESETS) - CONFIG_ONLY)} or pass --model DIR")
     if PRESETS[preset] is None:
         from ..engine.args import default_model_path
 
@@ -168,7 +183,7 @@ def resolve_model(model: str | Path | None, preset: str | None, dtype: str = "au
 def main() -> None:
     for name in PRESETS:
         cfg = preset_config(name)
-        print(f"{name:12s} {count_params(cfg)}")
+        print(f"{name:20s} {count_params(cfg)}")
 
 
 if __name__ == "__main__":

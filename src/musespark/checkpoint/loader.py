@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Collection
 from typing import Callable
 
 import torch
@@ -95,6 +96,7 @@ def read_state_dict(
     device: str | torch.device = "cpu",
     progress: Callable[[int, int], None] | None = None,
     specs: dict[str, TensorSpec] | None = None,
+    skip: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Every tensor `specs` names (default: the dense decoder of `cfg`, `dense_specs`),
     read from the checkpoint at `path`, by relative name, in its final dtype: a spec's
@@ -106,14 +108,14 @@ def read_state_dict(
     path = Path(path)
     files = find_weight_files(path)
     specs = dense_specs(cfg) if specs is None else specs
-    shapes = {name: spec.shape for name, spec in specs.items()}
+    shapes = {name: spec.full_shape for name, spec in specs.items()}
     loaded: dict[str, torch.Tensor] = {}
     where: dict[str, Path] = {}
     for file in files:
         with SafetensorsFile(file) as st:
             for disk_name, entry in st.entries.items():
                 name = to_relative(disk_name)
-                if name is None:  # vision/audio tower: not ours
+                if name is None or name in skip:  # vision/audio tower; another pipeline stage's tensor
                     continue
                 if name not in shapes:
                     raise ValueError(f"{file}: unexpected tensor {disk_name!r} (not part of the text decoder "
@@ -128,12 +130,15 @@ def read_state_dict(
                     raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected {fixed}")
                 if (fixed is None or fixed in _WIDENED) and entry.dtype not in _FLOATS:
                     raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected a float type")
-                loaded[name] = st.read(disk_name, fixed or dtype).to(device)
+                shard = specs[name].shard
+                tensor = st.read(disk_name, fixed or dtype) if shard is None else \
+                    st.read_shard(disk_name, shard.dim, shard.pieces, fixed or dtype)
+                loaded[name] = tensor.to(device)
                 where[name] = file
                 if progress is not None:
                     progress(len(loaded), len(shapes))
 
-    if LM_HEAD not in loaded and cfg.tie_word_embeddings and EMBED in loaded:
+    if LM_HEAD in shapes and LM_HEAD not in loaded and cfg.tie_word_embeddings and EMBED in loaded:
         loaded[LM_HEAD] = loaded[EMBED]  # tied: the head reuses the embedding matrix
     missing = [n for n in shapes if n not in loaded]
     if missing:

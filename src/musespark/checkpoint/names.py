@@ -50,6 +50,29 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype | None = None
+    # A tensor-parallel shard: the checkpoint holds the whole tensor and this rank reads
+    # only `pieces` ((start, length) ranges, concatenated) along `dim`; `shape` is then the
+    # local shape. Ranges past the tensor's end are zero-filled (a padded vocabulary block).
+    shard: Shard | None = None
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The shape the checkpoint holds."""
+        if self.shard is None:
+            return self.shape
+        d = self.shard.dim
+        return self.shape[:d] + (self.shard.full,) + self.shape[d + 1:]
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    pieces: tuple[tuple[int, int], ...]  # (start, length) along dim, in order
+    full: int  # the checkpoint tensor's size along dim
+
+    @classmethod
+    def range(cls, dim: int, start: int, length: int, full: int) -> Shard:
+        return cls(dim, ((start, length),), full)
 
 
 def dense_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:

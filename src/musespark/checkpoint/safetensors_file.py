@@ -121,6 +121,30 @@ class SafetensorsFile:
         del src
         return out
 
+    def read_shard(self, name: str, dim: int, pieces: tuple[tuple[int, int], ...],
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Only the (start, length) ranges of `name` along `dim`, concatenated, cast to
+        `out_dtype`; ranges past the end are zero-filled. Only the pages those ranges
+        touch are read (a rank of a sharded model never reads whole tensors)."""
+        e = self.entries[name]
+        target = out_dtype or e.dtype
+        shape = list(e.shape)
+        parts = []
+        for start, length in pieces:
+            shape[dim] = length
+            part = torch.zeros(shape, dtype=target)
+            have = max(0, min(length, e.shape[dim] - start))
+            if have and e.end > e.start:
+                assert self._mmap is not None
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    src = torch.frombuffer(self._mmap, dtype=e.dtype, count=(e.end - e.start) // _itemsize(e.dtype),
+                                           offset=e.start).view(e.shape)
+                part.narrow(dim, 0, have).copy_(src.narrow(dim, start, have))
+                del src
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
     def _release(self, start: int, end: int) -> None:
         """Drop this byte range's pages from our resident set (the data stays on disk)."""
         if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):

@@ -11,6 +11,7 @@ from torch import nn
 from ..backends import Backend, select_backend
 from ..checkpoint.loader import load_config, read_state_dict, resolve_dtype
 from ..checkpoint.names import TensorSpec, keeps_fp32
+from ..parallel.state import SINGLE, ParallelContext
 from ..quant import WeightFormats
 from .muse_spark import MuseSparkForCausalLM
 
@@ -42,6 +43,7 @@ def load_model(
     progress: Callable[[int, int], None] | None = None,
     backend: str | Backend = "auto",
     formats: WeightFormats | None = None,
+    parallel: ParallelContext = SINGLE,
 ) -> MuseSparkForCausalLM:
     """Load a released-format checkpoint directory; the model comes back in eval mode.
 
@@ -49,13 +51,21 @@ def load_model(
     checkpoint's declared dtype). `backend`: "auto" (default), "torch" or "cpu" (see
     `musespark.backends`). The model is built on the meta device, its weight formats say
     which tensors to read, and each tensor is read straight into its final place, so no
-    second copy of the weights is made.
+    second copy of the weights is made. `parallel` (see `musespark.parallel`): this rank's
+    shard of a tensor/pipeline/expert-parallel model; it reads only its slices of each
+    tensor and only its stage's layers.
     """
     cfg = load_config(path)
     torch_dtype = resolve_dtype(dtype, cfg)
     with torch.device("meta"):
-        model = MuseSparkForCausalLM(cfg, formats)
-    state = read_state_dict(path, cfg, torch_dtype, device, progress, specs=checkpoint_tensors(model))
+        model = MuseSparkForCausalLM(cfg, formats, parallel=parallel)
+    specs = checkpoint_tensors(model)
+    elsewhere: set[str] = set()
+    if parallel.pp_size > 1:  # other stages' tensors are in the checkpoint too
+        with torch.device("meta"):
+            whole = MuseSparkForCausalLM(cfg, formats)
+        elsewhere = set(checkpoint_tensors(whole)) - set(specs)
+    state = read_state_dict(path, cfg, torch_dtype, device, progress, specs=specs, skip=elsewhere)
     model.load_state_dict(state, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)

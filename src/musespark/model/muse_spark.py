@@ -21,11 +21,13 @@ from torch import nn
 
 from ..backends import Backend, TorchBackend
 from ..config import ModelConfig
+from ..checkpoint.names import Shard, TensorSpec
 from ..layers.attention import AttentionContext
 from ..layers.linear import Linear
 from ..layers.moe import DenseMlp, SparseMoeBlock
 from ..layers.norm import ResidualGate, RMSNorm
 from ..layers.rotary import cos_sin, inv_frequencies
+from ..parallel.state import SINGLE, ParallelContext
 from ..quant import WeightFormats
 
 Rope = dict[float, tuple[torch.Tensor, torch.Tensor]]  # rotary base -> (cos, sin) [T, D], shared within a step
@@ -35,16 +37,28 @@ class Attention(nn.Module):
     """The attention's weights and constants; the backend computes it (`Backend.attn_in`,
     `attention`, `attn_out`)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats, prefix: str,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.q_proj = Linear(H, self.num_heads * D, formats.linear(prefix + "q_proj"))
-        self.k_proj = Linear(H, self.num_kv_heads * D, formats.linear(prefix + "k_proj"))
-        self.v_proj = Linear(H, self.num_kv_heads * D, formats.linear(prefix + "v_proj"))
-        self.gate_proj = Linear(H, self.num_heads * D, formats.linear(prefix + "gate_proj"))  # the output gate
-        self.o_proj = Linear(self.num_heads * D, H, formats.linear(prefix + "o_proj"))
+        # Tensor parallel: this rank's heads (q/gate heads and the kv heads they read stay
+        # together: nKV % tp == 0, no KV replication), o_proj row-parallel.
+        h0, nh = parallel.split(cfg.num_attention_heads, "num_attention_heads")
+        k0, nkv = parallel.split(cfg.num_key_value_heads, "num_key_value_heads")
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, D
+
+        def rows(start: int, n: int, full: int) -> Shard | None:
+            return Shard.range(0, start * D, n * D, full * D) if parallel.tp_size > 1 else None
+
+        q_rows = rows(h0, nh, cfg.num_attention_heads)
+        kv_rows = rows(k0, nkv, cfg.num_key_value_heads)
+        o_cols = Shard.range(1, h0 * D, nh * D, cfg.num_attention_heads * D) if parallel.tp_size > 1 else None
+        self.q_proj = Linear(H, nh * D, formats.linear(prefix + "q_proj"), q_rows)
+        self.k_proj = Linear(H, nkv * D, formats.linear(prefix + "k_proj"), kv_rows)
+        self.v_proj = Linear(H, nkv * D, formats.linear(prefix + "v_proj"), kv_rows)
+        self.gate_proj = Linear(H, nh * D, formats.linear(prefix + "gate_proj"), q_rows)  # the output gate
+        self.o_proj = Linear(nh * D, H, formats.linear(prefix + "o_proj"), o_cols, reduce=parallel)
         self.eps = cfg.rms_norm_eps
         # Queries are multiplied by qk_scale_factor after the weightless QK-norm (in fp32);
         # equal to folding it into the softmax scale, and closer to the reference's rounding.
@@ -69,16 +83,17 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats, parallel: ParallelContext = SINGLE
+                 ) -> None:
         super().__init__()
         H, prefix = cfg.hidden_size, f"layers.{layer}."
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, gain_center=1.0)
-        self.self_attn = Attention(cfg, layer, formats, prefix + "self_attn.")
+        self.self_attn = Attention(cfg, layer, formats, prefix + "self_attn.", parallel)
         self.post_attention_residual_gate = ResidualGate(H, cfg.residual_gate_temperature)
         self.pre_feedforward_layernorm = RMSNorm(H, cfg.rms_norm_eps, gain_center=1.0)
         self.is_sparse = cfg.is_sparse(layer)
         mlp = SparseMoeBlock if self.is_sparse else DenseMlp
-        self.mlp = mlp(cfg, formats, prefix + "mlp.")
+        self.mlp = mlp(cfg, formats, prefix + "mlp.", parallel)
         self.post_feedforward_layernorm = RMSNorm(H, cfg.post_norm_eps, gain_center=1.0, input_scaled=True)
         self.post_feedforward_residual_gate = ResidualGate(H, cfg.residual_gate_temperature)
         self.post_norm_eps = cfg.post_norm_eps
@@ -94,14 +109,32 @@ class DecoderLayer(nn.Module):
 
 class Embedding(nn.Module):
     """A plain lookup table [V, H]. (Not `nn.Embedding`: its random init on the meta
-    device pulls in heavy imports while loading; ours is filled by the loader.)"""
+    device pulls in heavy imports while loading; ours is filled by the loader.)
 
-    def __init__(self, num_embeddings: int, dim: int) -> None:
+    Tensor parallel: this rank holds a block of ceil(V / tp) rows (zero-padded past V); ids
+    outside it look up zeros and the TP all-reduce fills them in (one contributor: exact)."""
+
+    def __init__(self, num_embeddings: int, dim: int, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+        self.parallel = parallel
+        self.first, rows = parallel.vocab_split(num_embeddings) if parallel.tp_size > 1 else (0, num_embeddings)
+        self.shard = Shard.range(0, self.first, rows, num_embeddings) if parallel.tp_size > 1 else None
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+
+    def tensor_specs(self) -> dict[str, TensorSpec]:
+        return {"weight": TensorSpec(tuple(self.weight.shape), None, self.shard)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.shard is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[:, None]
+        return self.parallel.all_reduce_fp32(rows)
+
+
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage runs: no weights here."""
 
 
 class MuseSparkForCausalLM(nn.Module):
@@ -112,25 +145,45 @@ class MuseSparkForCausalLM(nn.Module):
     `formats` gives each linear and the experts their weight format (default: dense).
     """
 
-    def __init__(self, cfg: ModelConfig, formats: WeightFormats | None = None, backend: Backend | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, formats: WeightFormats | None = None, backend: Backend | None = None,
+                 parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         formats = formats or WeightFormats()
         self.config = cfg
+        self.parallel = parallel  # one process unless parallel/ built this rank's shard
         self.backend: Backend = backend or TorchBackend()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, formats) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gain_center=0.0)  # plain weight
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, formats.linear("lm_head"))
-        if cfg.tie_word_embeddings:  # a loaded checkpoint that has its own head replaces this
-            self.lm_head.weight = self.embed_tokens.weight
+        # Pipeline parallel: this stage's layers [start, end); the embedding lives on the
+        # first stage, the final norm and the head on the last (PARALLEL.md §6).
+        self.layer_range = parallel.layer_range(cfg.num_hidden_layers)
+        start, end = self.layer_range
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_first_stage else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, formats, parallel) if start <= i < end else MissingLayer()
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = self.lm_head = None
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gain_center=0.0)  # plain weight
+            v0, rows = parallel.vocab_split(cfg.vocab_size) if parallel.tp_size > 1 else (0, cfg.vocab_size)
+            shard = Shard.range(0, v0, rows, cfg.vocab_size) if parallel.tp_size > 1 else None
+            self.lm_head = Linear(cfg.hidden_size, rows, formats.linear("lm_head"), shard)  # vocab-parallel
+            if cfg.tie_word_embeddings and self.embed_tokens is not None:  # a checkpoint head replaces this
+                self.lm_head.weight = self.embed_tokens.weight
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self._anchor().dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self._anchor().device
+
+    def _anchor(self) -> torch.Tensor:
+        """A model-dtype weight this rank holds (the embedding, else the final norm, else
+        the first local layer's input norm)."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens.weight
+        if self.norm is not None:
+            return self.norm.weight
+        return self.layers[self.layer_range[0]].input_layernorm.weight
 
     def materialize_constants(self) -> None:
         """Compute weight-only constants (residual gate alpha/beta, fp32 norm gains) once, after loading."""
@@ -143,11 +196,18 @@ class MuseSparkForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states y [T, H] in the model dtype."""
-        dtype, backend = self.dtype, self._active_backend()
-        s = backend.embed(self, input_ids)  # fp32 stream
+        dtype, backend, par = self.dtype, self._active_backend(), self.parallel
+        if par.is_first_stage:
+            s = backend.embed(self, input_ids)  # fp32 stream
+        else:
+            s = par.recv_prev((input_ids.shape[0], self.config.hidden_size), input_ids.device)
         rope: Rope = {}
-        for layer in self.layers:
-            s = layer.forward(s, positions, ctx, rope, backend, dtype)  # direct: no per-layer hook dispatch
+        start, end = self.layer_range
+        for i in range(start, end):
+            s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
+        if not par.is_last_stage:
+            par.send_next(s)
+            return s  # not final: only the last stage normalizes and computes logits
         return backend.final_norm(self, s, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -169,7 +229,15 @@ class MuseSparkForCausalLM(nn.Module):
         ids = self._check_ids(token_ids)
         positions = torch.arange(len(token_ids), device=self.device)
         hidden = self(ids, positions, AttentionContext.for_prompts([len(token_ids)]))
-        return self.compute_logits(hidden)
+        par = self.parallel
+        if par.pp_size == 1:
+            return self.compute_logits(hidden)
+        import torch.distributed as dist  # pipeline: the last stage's logits, on every rank
+
+        logits = self.compute_logits(hidden) if par.is_last_stage else \
+            torch.empty(len(token_ids), self.config.vocab_size, dtype=torch.float32, device=self.device)
+        dist.broadcast(logits, src=par.stage_rank(par.pp_size - 1) - par.tp_rank)
+        return logits
 
     @torch.inference_mode()
     def greedy_continuation(self, token_ids: list[int], max_new_tokens: int) -> list[int]:
