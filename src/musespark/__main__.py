@@ -2,4 +2,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned tensor-parallel workers import this module as __mp_main__
+    sys.exit(main())

@@ -81,6 +81,12 @@ class EngineArgs:
         "reuse the KV blocks of shared prompt prefixes", action=argparse.BooleanOptionalAction)})
     seed: int | None = field(default=0, metadata={"cli": _flag(
         "seed of the engine's generator, used by requests without their own seed", type=int)})
+    tensor_parallel_size: int = field(default=1, metadata={"cli": _flag(
+        "tensor-parallel ranks: worker processes on this machine, joined over gloo", type=int)})
+    enable_expert_parallel: bool = field(default=False, metadata={"cli": _flag(
+        "shard the experts by expert (EP = TP group) instead of by width", action="store_true")})
+    pipeline_parallel_size: int = field(default=1, metadata={"cli": _flag(
+        "pipeline stages (the sharded model runs them; the engine does not yet)", type=int)})
     generation_config: str = field(default="auto", metadata={"cli": _flag(
         "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none: vLLM's "
         "defaults), or a directory holding a generation_config.json")})
@@ -131,7 +137,9 @@ class EngineArgs:
                               enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=batched),
-            parallel=ParallelConfig(),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
+                                    enable_expert_parallel=self.enable_expert_parallel),
         )
 
 
@@ -139,6 +147,9 @@ class EngineArgs:
 _CONFIG_FIELD = {
     "model": ("model", "path"), "dtype": ("model", "dtype"), "backend": ("model", "backend"),
     "seed": ("model", "seed"), "generation_config": ("model", "generation_config"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "enable_expert_parallel": ("parallel", "enable_expert_parallel"),
     "max_model_len": ("scheduler", "max_model_len"), "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "block_size": ("cache", "block_size"), "kv_cache_memory": ("cache", "kv_cache_memory"),

@@ -8,7 +8,9 @@ output processor's.
 
 Invariants:
 * The core owns the model (loaded here, with its backend chosen once), the runner (tensors:
-  weights and KV cache) and the scheduler (requests and the KV cache manager).
+  weights and KV cache) and the scheduler (requests and the KV cache manager). With
+  tensor_parallel_size > 1 it is rank 0 of a `TensorParallelExecutor`: it holds rank 0's
+  shard, and the worker ranks run the same model call each step.
 * Every request holds a `torch.Generator` when it samples: its own seed if it has one, else
   a seed drawn from the engine's generator (seeded with `ModelSettings.seed`), so unseeded
   sampling is reproducible run to run and no global RNG is touched.
@@ -65,9 +67,21 @@ class EngineCore:
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.config = config
         settings, sched = config.model, config.scheduler
-        self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=settings.backend)
+        self.executor = None
+        if config.parallel.world_size > 1:  # tensor parallel: this process is rank 0 of the workers it spawns
+            from ..parallel.executor import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config)
+            backend = "torch" if settings.backend == "auto" else settings.backend
+            self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=backend,
+                                    parallel=self.executor.parallel)
+        else:
+            self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=settings.backend)
         self.eos_token_ids = frozenset(self.model.config.eos_token_id) | frozenset(extra_eos_token_ids)
-        self.runner = ModelRunner(self.model, config.cache, sched.max_model_len, sched.max_num_seqs)
+        self.runner = ModelRunner(self.model, config.cache, sched.max_model_len, sched.max_num_seqs,
+                                  broadcast=None if self.executor is None else self.executor.broadcast)
+        if self.executor is not None:
+            self.executor.start(self.runner.num_blocks)
         self.scheduler = Scheduler(sched, config.cache, self.runner.num_blocks, self.runner.layout.group_windows)
         self._seeds = torch.Generator()  # CPU: draws one seed per unseeded sampled request
         if settings.seed is None:

@@ -44,6 +44,9 @@ class LLM:
         kv_cache_fraction: float = 0.2,
         backend: str = "auto",
         generation_config: str = "auto",
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        pipeline_parallel_size: int = 1,
         show_progress: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -52,7 +55,9 @@ class LLM:
         args = EngineArgs(model=model, dtype=dtype, backend=backend, max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                          enable_prefix_caching=enable_prefix_caching, seed=seed, generation_config=generation_config)
+                          enable_prefix_caching=enable_prefix_caching, seed=seed, generation_config=generation_config,
+                          tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
+                          pipeline_parallel_size=pipeline_parallel_size)
         progress = _progress_bar("Loading weights") if show_progress else None
         self.engine = LLMEngine(args.create_engine_config(), progress=progress)
         self._ids = itertools.count()

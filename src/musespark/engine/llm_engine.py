@@ -48,9 +48,12 @@ class LLMEngine:
                                        "(pass model=DIR for a checkpoint directory)", param="config")
         else:
             check_no_conflict(config, engine_args)
-        if config.parallel.world_size > 1 or config.parallel.enable_expert_parallel:
-            raise InvalidArgumentError("tensor, pipeline and expert parallelism are not implemented yet",
-                                       param="parallel")
+        if config.parallel.pipeline_parallel_size > 1:
+            raise InvalidArgumentError("pipeline parallel serving is not implemented yet (tensor and expert "
+                                       "parallelism are)", param="pipeline_parallel_size")
+        if config.parallel.enable_expert_parallel and config.parallel.tensor_parallel_size == 1:
+            raise InvalidArgumentError("enable_expert_parallel needs tensor_parallel_size > 1 (the EP group is the "
+                                       "TP group)", param="enable_expert_parallel")
         self.engine_config = config
         self.model_path: Path = config.model.path
         checkpoint_eos = load_config(self.model_path).eos_token_id

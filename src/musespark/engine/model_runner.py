@@ -16,6 +16,7 @@ window really gives memory back to the pool.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,35 @@ _SCORE_ROWS = 256  # prompt positions scored per logits slice (bounds a [rows, V
 
 
 @dataclass
+class StepInputs:
+    """One step's model call as plain lists: what rank 0 broadcasts to tensor-parallel workers."""
+
+    ids: list[int]
+    positions: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    groups: list[tuple[list[int], list[list[int]]]]  # per KV group: (slot of each new token, block table per seq)
+    sample_rows: list[int]  # rows whose logits sample a token
+    scored_rows: list[tuple[int, int]]  # prompt_logprobs: (first row, rows)
+
+
+def _prompt_logprobs(logits: torch.Tensor, request: Request, pos: int) -> list[TokenLogprobs]:
+    """Logprobs (the raw logits' log_softmax, as for sampled tokens) of prompt tokens
+    pos+1 .. pos+m from logits [m, V] at positions pos .. pos+m-1, each with the top
+    `prompt_logprobs` tokens."""
+    k, m = request.params.prompt_logprobs, logits.shape[0]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    targets = torch.tensor(request.prompt_token_ids[pos + 1:pos + 1 + m], device=logits.device)
+    chosen = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1).tolist()
+    if k:
+        vals, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        tops, top_ids = (vals - lse).tolist(), ids.tolist()
+    else:
+        tops, top_ids = [[] for _ in range(m)], [[] for _ in range(m)]
+    return list(zip(chosen, top_ids, tops))
+
+
+@dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, TokenLogprobs]  # for sampled requests that asked for logprobs
@@ -74,15 +104,23 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: MuseSparkForCausalLM, cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> None:
+    """`broadcast`: tensor parallel rank 0 hands each step's `StepInputs` to the workers
+    through it (parallel/executor.py); a worker's runner is given rank 0's `num_blocks` and
+    only runs `forward`. Each rank's cache holds its own KV heads."""
+
+    def __init__(self, model: MuseSparkForCausalLM, cache: CacheConfig, max_model_len: int, max_num_seqs: int,
+                 *, num_blocks: int | None = None, broadcast: Callable[[StepInputs], None] | None = None) -> None:
         self.model = model
+        self.broadcast = broadcast
         cfg = model.config
         self.layout = kv_layout(cfg)
         self.block_size = cache.block_size
+        kv_heads = cfg.num_key_value_heads // model.parallel.tp_size
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
         budget = cache.kv_cache_memory or int(available_memory() * cache.kv_cache_fraction)
+        given = num_blocks
         num_blocks = num_blocks_for_budget(budget, cache.block_size, self.layout.num_slots,
-                                           cfg.num_key_value_heads, cfg.head_dim, dtype_bytes)
+                                           kv_heads, cfg.head_dim, dtype_bytes)
         # Blocks one sequence can hold at most: full groups its whole length, sliding groups
         # their window (+2: a block boundary and the block being filled).
         seq_blocks = -(-max_model_len // cache.block_size) + 1
@@ -93,80 +131,87 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_memory={budget} bytes gives {num_blocks} KV blocks, but one sequence of "
                 f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len")
-        self.num_blocks = num_blocks
-        shape = (num_blocks, cache.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.num_blocks = num_blocks = given if given is not None else num_blocks
+        shape = (num_blocks, cache.block_size, kv_heads, cfg.head_dim)
         slots = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
                   torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in range(self.layout.num_slots)]
         self.kv_caches = [slots[s] for s in self.layout.layer_slot]  # per layer: its group slot's (K, V)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
-        device = self.model.device
+        inputs, sample_reqs, scored_reqs = self._inputs(batch)
+        if self.broadcast is not None:  # tensor parallel: every rank runs the same model call
+            self.broadcast(inputs)
+        out = ModelRunnerOutput(sampled={}, logprobs={})
+        results: dict[int, list[TokenLogprobs]] = {}
+
+        def score(j: int, lo: int, logits: torch.Tensor) -> None:
+            request, first = scored_reqs[j]
+            results.setdefault(j, []).extend(_prompt_logprobs(logits, request, first + lo))
+
+        logits = self.forward(inputs, score)
+        for j, (request, first) in enumerate(scored_reqs):
+            out.prompt_logprobs[request.request_id] = (first + 1, results.get(j, []))
+        if sample_reqs:
+            self._sample(logits, sample_reqs, out)
+        return out
+
+    def _inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Request], list[tuple[Request, int]]]:
+        """The step's model inputs as plain lists, the requests that sample (in sample-row
+        order) and those that score prompt tokens (with the first scored position - 1)."""
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        qsl, seq_lens = [0], []
-        sample_rows: list[int] = []
+        inputs = StepInputs(ids=[], positions=[], query_start_loc=[0], seq_lens=[],
+                            groups=[([], []) for _ in self.layout.group_windows], sample_rows=[], scored_rows=[])
         sample_reqs: list[Request] = []
-        scored: list[tuple[Request, int, int, int]] = []  # prompt_logprobs: (request, first row, first pos, n)
-        groups: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in self.layout.group_windows]
+        scored_reqs: list[tuple[Request, int]] = []
+        qsl = inputs.query_start_loc
         for request, n, req_tables in zip(batch.requests, batch.num_new, batch.block_tables):
             start = request.num_computed_tokens
             end = start + n
-            ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
+            inputs.ids.extend(request.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
             qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            for (slots, tables), table in zip(groups, req_tables):
+            inputs.seq_lens.append(end)
+            for (slots, tables), table in zip(inputs.groups, req_tables):
                 # Flat cache slot of each new position (the scheduler allocated its block).
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 tables.append(table)
             if end == request.num_tokens:  # the last known token is computed: sample the next
-                sample_rows.append(qsl[-1] - 1)
+                inputs.sample_rows.append(qsl[-1] - 1)
                 sample_reqs.append(request)
             # Prompt logprobs: the logits at position p score prompt token p + 1.
             last_scored = min(end, len(request.prompt_token_ids) - 1)
             if request.params.prompt_logprobs is not None and last_scored > start:
-                scored.append((request, qsl[-2], start, last_scored - start))
+                inputs.scored_rows.append((qsl[-2], last_scored - start))
+                scored_reqs.append((request, start))
+        return inputs, sample_reqs, scored_reqs
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs,
+                score: Callable[[int, int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """One model call and its logits: [len(sample_rows), V] fp32 (None if no row samples);
+        prompt-scoring logits go to `score(j, offset, logits)` slice by slice (bounding a
+        [rows, V] tensor). Every rank of a tensor-parallel model runs this with the same
+        inputs (the collectives inside must match); only rank 0 passes `score`."""
+        device = self.model.device
         kv_groups = []
-        for slots, tables in groups:
+        for slots, tables in inputs.groups:
             width = max(len(t) for t in tables)
             padded = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
             kv_groups.append(KVGroup(slot_mapping=torch.tensor(slots, device=device),
                                      block_tables=torch.tensor(padded, device=device)))
-        ctx = AttentionContext(query_start_loc=qsl, seq_lens=seq_lens, kv_caches=self.kv_caches,
-                               groups=kv_groups, layer_group=self.layout.layer_group)
-        hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), ctx)
-        out = ModelRunnerOutput(sampled={}, logprobs={})
-        for request, row, first, n in scored:
-            out.prompt_logprobs[request.request_id] = (first + 1, self._score_prompt(hidden, request, row, first, n))
-        if not sample_reqs:
-            return out
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-        self._sample(logits, sample_reqs, out)
-        return out
-
-    def _score_prompt(self, hidden: torch.Tensor, request: Request, row: int, first: int, n: int
-                      ) -> list[TokenLogprobs]:
-        """Logprobs (raw logits' log_softmax, as for sampled tokens) of prompt tokens
-        first+1 .. first+n from hidden rows row .. row+n-1, in slices that bound the [rows, V]
-        logits; each with the top `prompt_logprobs` tokens."""
-        k = request.params.prompt_logprobs
-        device = hidden.device
-        result: list[TokenLogprobs] = []
-        for lo in range(0, n, _SCORE_ROWS):
-            m = min(_SCORE_ROWS, n - lo)
-            logits = self.model.compute_logits(hidden[row + lo:row + lo + m]).float()  # [m, V]
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            targets = torch.tensor(request.prompt_token_ids[first + lo + 1:first + lo + 1 + m], device=device)
-            chosen = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1).tolist()
-            if k:
-                vals, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
-                tops, top_ids = (vals - lse).tolist(), ids.tolist()
-            else:
-                tops, top_ids = [[] for _ in range(m)], [[] for _ in range(m)]
-            result.extend(zip(chosen, top_ids, tops))
-        return result
+        ctx = AttentionContext(query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
+                               kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group)
+        hidden = self.model(torch.tensor(inputs.ids, device=device), torch.tensor(inputs.positions, device=device),
+                            ctx)
+        for j, (row, n) in enumerate(inputs.scored_rows):
+            for lo in range(0, n, _SCORE_ROWS):
+                logits = self.model.compute_logits(hidden[row + lo:row + min(n, lo + _SCORE_ROWS)]).float()
+                if score is not None:
+                    score(j, lo, logits)
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_rows, device=device)])
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: ModelRunnerOutput) -> None:
         V = logits.shape[-1]

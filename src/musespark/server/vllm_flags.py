@@ -160,7 +160,7 @@ _TABLE = """
 --reasoning-parser                                    value    ours
 --reasoning-parser-plugin                             value    ignored: frontend option not implemented
 --distributed-executor-backend                        value    ignored: multi-process/multi-node serving is not implemented (one process here)
---pipeline-parallel-size,-pp                          value    checked: 1 accepted; > 1 refused (issue 14)
+--pipeline-parallel-size,-pp                          value    ours
 --master-addr                                         value    ignored: multi-process/multi-node serving is not implemented (one process here)
 --master-port                                         value    ignored: multi-process/multi-node serving is not implemented (one process here)
 --nnodes,-n                                           value    ignored: multi-process/multi-node serving is not implemented (one process here)
@@ -171,7 +171,7 @@ _TABLE = """
 --numa-bind-nodes                                     list     ignored: multi-process/multi-node serving is not implemented (one process here)
 --numa-bind-cpus                                      list     ignored: multi-process/multi-node serving is not implemented (one process here)
 --device-ids                                          value    ignored: multi-process/multi-node serving is not implemented (one process here)
---tensor-parallel-size,-tp                            value    checked: 1 accepted; > 1 refused (issue 14)
+--tensor-parallel-size,-tp                            value    ours
 --decode-context-parallel-size,-dcp                   value    checked: 1 accepted; > 1 refused (issue 14)
 --dcp-comm-backend                                    value    ignored: multi-process/multi-node serving is not implemented (one process here)
 --dcp-q-replicate                                     bool     ignored: multi-process/multi-node serving is not implemented (one process here)
@@ -189,7 +189,7 @@ _TABLE = """
 --data-parallel-external-lb,-dpe                      bool     ignored: multi-process/multi-node serving is not implemented (one process here)
 --data-parallel-multi-port-external-lb,-dpm           flag     ignored: multi-process/multi-node serving is not implemented (one process here)
 --enable-hc-sp                                        bool     ignored: multi-process/multi-node serving is not implemented (one process here)
---enable-expert-parallel,-ep                          bool     checked: refused when on (issue 14)
+--enable-expert-parallel,-ep                          bool     ours
 --enable-batch-sharded-sampling                       bool     ignored: multi-process/multi-node serving is not implemented (one process here)
 --enable-ep-weight-filter                             bool     ignored: multi-process/multi-node serving is not implemented (one process here)
 --all2all-backend                                     value    ignored: multi-process/multi-node serving is not implemented (one process here)
@@ -476,6 +476,11 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
                 for spelling, value in [(s, True) for s in on] + [(s, False) for s in off]:
                     if spelling not in known:
                         parser.add_argument(spelling, dest=dest, action=_Set, const=value, help=argparse.SUPPRESS)
+            else:  # vLLM's short aliases of ours (-tp, -pp)
+                action = known[flag.name]
+                for spelling in on:
+                    if spelling not in known:
+                        parser.add_argument(spelling, dest=action.dest, type=action.type, help=argparse.SUPPRESS)
             continue
         kwargs: dict[str, Any] = {"dest": flag.dest, "default": None, "help": flag.disposition}
         if flag.kind not in ("bool", "flag"):
@@ -538,9 +543,8 @@ def _check_structured_outputs(flag: VllmFlag, value: Any) -> str | None:
     return "ignored: only the built-in (xgrammar) structured outputs backend exists; settings not applied"
 
 
-_CHECKS = {"--tensor-parallel-size": _check_parallel, "--pipeline-parallel-size": _check_parallel,
-           "--data-parallel-size": _check_parallel, "--decode-context-parallel-size": _check_parallel,
-           "--prefill-context-parallel-size": _check_parallel, "--enable-expert-parallel": _check_parallel,
+_CHECKS = {"--data-parallel-size": _check_parallel, "--decode-context-parallel-size": _check_parallel,
+           "--prefill-context-parallel-size": _check_parallel,
            "--kv-cache-dtype": _check_kv_cache_dtype, "--quantization": _check_quantization,
            "--structured-outputs-config": _check_structured_outputs}
 

@@ -1,0 +1,133 @@
+"""Tensor-parallel execution on one machine: the engine process is rank 0 (it schedules and
+samples), and it spawns tp - 1 worker processes (`multiprocessing` "spawn") joined over
+gloo. Each step rank 0 broadcasts the model call's inputs (`StepInputs`: token ids,
+positions, slots, block tables, which rows to score), every rank runs the same forward on
+its shard, and the collectives inside give rank 0 the full logits (PARALLEL.md §9).
+
+Faults: a watchdog thread on rank 0 polls the workers; when one exits, it logs which rank
+and its exit code, stops the others and ends this process with status 1 — a collective
+waiting on a dead peer would otherwise hang for ever. Workers die with their parent
+(PR_SET_PDEATHSIG), so a killed engine leaves no orphans; a clean shutdown broadcasts a
+stop and joins them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .state import ParallelContext, init_parallel
+
+logger = logging.getLogger("musespark.parallel")
+_TIMEOUT = timedelta(minutes=10)  # loading a large shard can take minutes before the first collective
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (no orphaned workers)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker(rank: int, world: int, port: int, config: Any) -> None:
+    """A worker rank: load the shard, size the cache as rank 0 says, then run each step."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which stops us
+    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    from ..engine.model_runner import ModelRunner
+    from ..model.load import load_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=_TIMEOUT)
+    par = init_parallel(config.parallel.tensor_parallel_size, 1, config.parallel.enable_expert_parallel)
+    model = load_model(config.model.path, dtype=config.model.dtype, backend="torch", parallel=par)
+    sizes = [None]
+    dist.broadcast_object_list(sizes, src=0)
+    runner = ModelRunner(model, config.cache, config.scheduler.max_model_len, config.scheduler.max_num_seqs,
+                         num_blocks=sizes[0])
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            break
+        runner.forward(box[0])
+    dist.destroy_process_group()
+
+
+class TensorParallelExecutor:
+    """Rank 0's side: spawn the workers, join the group, broadcast each step, watch them."""
+
+    def __init__(self, config: Any) -> None:
+        par = config.parallel
+        if par.pipeline_parallel_size > 1:
+            raise ValueError("pipeline parallel execution in the engine is not implemented yet "
+                             "(the sharded model runs pipeline stages: musespark.parallel)")
+        self.world = par.tensor_parallel_size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.workers = [ctx.Process(target=_worker, args=(r, self.world, port, config), daemon=True,
+                                    name=f"musespark-tp{r}") for r in range(1, self.world)]
+        for w in self.workers:
+            w.start()
+        self._closed = False
+        self._watch = threading.Thread(target=self._watchdog, name="musespark-tp-watchdog", daemon=True)
+        self._watch.start()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world,
+                                timeout=_TIMEOUT)
+        self.parallel: ParallelContext = init_parallel(self.world, 1, par.enable_expert_parallel)
+        atexit.register(self.shutdown)
+
+    def start(self, num_blocks: int) -> None:
+        """Tell the workers how many KV blocks rank 0's scheduler hands out."""
+        dist.broadcast_object_list([num_blocks], src=0)
+
+    def broadcast(self, inputs: Any) -> None:
+        dist.broadcast_object_list([inputs], src=0)
+
+    def _watchdog(self) -> None:
+        while not self._closed:
+            for rank, w in enumerate(self.workers, start=1):
+                if w.exitcode is not None and not self._closed:
+                    logger.error("tensor-parallel worker rank %d (pid %s) exited with code %s; stopping every rank",
+                                 rank, w.pid, w.exitcode)
+                    print(f"musespark: tensor-parallel worker rank {rank} exited with code {w.exitcode}; "
+                          "stopping every rank", flush=True)
+                    for other in self.workers:
+                        if other.is_alive():
+                            other.kill()
+                    os._exit(1)  # a collective waiting on the dead rank would never return
+            time.sleep(0.2)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            dist.broadcast_object_list([None], src=0)
+        except Exception:  # a broken group: the workers are killed below
+            pass
+        for w in self.workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()

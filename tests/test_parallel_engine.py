@@ -1,0 +1,109 @@
+"""The engine across processes: `LLM(tensor_parallel_size=2)` (with and without expert
+parallelism) gives the same greedy text as one process for mixed-length prompts with prefix
+caching and preemption active; `musespark serve -tp 2` answers the `openai` client the
+same; a worker killed mid-generation makes the server exit non-zero within 30 s, naming
+the rank, and leaves no orphan processes."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from musespark import LLM, SamplingParams
+from test_server import ServerProcess
+
+SHARED = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path, name=None):\n        self.path = path\n"
+PROMPTS = [SHARED + "        self.name", "def fibonacci(n):", SHARED + "\n    def load(self):\n", "x = [",
+           SHARED + "        self.items = []\n", "class Stack:\n    def push(self, item):\n"]
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=6, kv_cache_memory=2_400_000, block_size=16)
+
+
+def run(**parallel) -> tuple[list[str], int, int]:
+    # Each rank's KV cache holds its own heads: half the bytes per block at tp=2, so half
+    # the budget gives the same blocks (and the same schedule) as one process.
+    tp = parallel.get("tensor_parallel_size", 1)
+    llm = LLM(**{**ENGINE, "kv_cache_memory": ENGINE["kv_cache_memory"] // tp}, **parallel)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        stats = llm.engine.get_stats()
+        return [o.outputs[0].text for o in outs], stats.num_preemptions, stats.prefix_hits
+    finally:
+        executor = llm.engine.core.executor
+        if executor is not None:
+            executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return run()
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
+def test_llm_tensor_parallel_matches_one_process(one_process, ep):
+    texts, preemptions, hits = run(tensor_parallel_size=2, enable_expert_parallel=ep)
+    ref_texts, ref_preemptions, ref_hits = one_process
+    assert ref_preemptions > 0 and ref_hits > 0  # the case exercises preemption and prefix caching
+    assert texts == ref_texts
+    assert (preemptions, hits) == (ref_preemptions, ref_hits)
+
+
+def test_serve_tp2_and_a_dead_worker(tmp_path, one_process):
+    srv = ServerProcess(tmp_path / "tp.log", "-tp", "2", "--dtype", "float32")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+        got = client.completions.create(model="musespark-tiny", prompt=PROMPTS[1], max_tokens=48, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == one_process[0][1]
+        children = psutil.Process(srv.proc.pid).children(recursive=True)  # the worker and spawn's resource tracker
+        workers = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 1
+
+        def stream() -> None:  # a long generation in flight when the worker dies
+            try:
+                body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+                with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(0.5)
+        workers[0].send_signal(signal.SIGKILL)
+        code = srv.proc.wait(30)  # exits on its own, non-zero
+        assert code != 0
+        t.join(30)
+        log = (tmp_path / "tp.log").read_text()
+        assert "worker rank 1" in log and "exited" in log
+        deadline = time.monotonic() + 10
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)  # no orphans
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_signals_tear_down_every_worker(tmp_path, sig):
+    srv = ServerProcess(tmp_path / "sig.log", "-tp", "2")
+    try:
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        assert any("spawn_main" in " ".join(p.cmdline()) for p in children)
+        srv.proc.send_signal(sig)
+        # SIGTERM: a clean exit; Ctrl-C: uvicorn re-raises SIGINT once it has shut down.
+        assert srv.proc.wait(30) == (0 if sig == signal.SIGTERM else -signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children) and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+    finally:
+        srv.stop()
