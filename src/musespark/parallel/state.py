@@ -13,6 +13,7 @@ combine and the vocab gather have one contributor per element, so they are exact
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,9 @@ class ParallelContext:
         import torch.distributed as dist
 
         acc = x.float().contiguous()
+        t = time.perf_counter()
         dist.all_reduce(acc, group=self.tp_group)
+        COMM_SECONDS[0] += time.perf_counter() - t
         return acc.to(x.dtype)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +110,9 @@ class ParallelContext:
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+        t = time.perf_counter()
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        COMM_SECONDS[0] += time.perf_counter() - t
         return torch.cat(parts, dim=-1)
 
     def send_next(self, s: torch.Tensor) -> None:
@@ -125,6 +130,9 @@ class ParallelContext:
 
 
 SINGLE = ParallelContext()
+
+# Seconds this process has spent inside TP collectives (benchmarks/parallel.py reads it).
+COMM_SECONDS = [0.0]
 
 
 def init_parallel(tp: int, pp: int = 1, expert_parallel: bool = False) -> ParallelContext:
