@@ -107,3 +107,22 @@ def test_signals_tear_down_every_worker(tmp_path, sig):
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
     finally:
         srv.stop()
+
+
+def test_torchrun_launch(tmp_path):
+    """The multi-node path, on one machine: torchrun starts both ranks; rank 0 generates,
+    rank 1 serves it as a worker; the text equals one process's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    common = ["--max-tokens", "24", "--temperature", "0", "--dtype", "float32", "def fibonacci(n):"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "musespark", "generate", "--backend", "torch", *common],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    two = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "musespark", "generate",
+                          "--tensor-parallel-size", "2", *common],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.strip()

@@ -4,7 +4,11 @@ gloo. Each step rank 0 broadcasts the model call's inputs (`StepInputs`: token i
 positions, slots, block tables, which rows to score), every rank runs the same forward on
 its shard, and the collectives inside give rank 0 the full logits (PARALLEL.md §9).
 
-Faults: a watchdog thread on rank 0 polls the workers; when one exits, it logs which rank
+Several machines: launch one process per rank with torchrun (or anything that sets RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT); rank 0 serves, the others run worker loops (NCCL
+when CUDA is present, else gloo). Then the launcher, not the watchdog, watches the ranks.
+
+Faults: a watchdog thread on rank 0 polls spawned workers; when one exits, it logs which rank
 and its exit code, stops the others and ends this process with status 1 — a collective
 waiting on a dead peer would otherwise hang for ever. Workers die with their parent
 (PR_SET_PDEATHSIG), so a killed engine leaves no orphans; a clean shutdown broadcasts a
@@ -48,16 +52,28 @@ def _die_with_parent() -> None:
         pass
 
 
+def launched_externally() -> bool:
+    """True under torchrun (or any launcher that sets RANK, WORLD_SIZE and MASTER_ADDR): the
+    ranks already exist, on one machine or several; nothing is spawned."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def _worker(rank: int, world: int, port: int, config: Any) -> None:
-    """A worker rank: load the shard, size the cache as rank 0 says, then run each step."""
+    """A spawned worker rank."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which stops us
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=_TIMEOUT)
+    run_worker(config)
+
+
+def run_worker(config: Any) -> None:
+    """A worker rank in an initialized process group: load the shard, size the cache as rank
+    0 says, then run each step rank 0 broadcasts until it says stop."""
     from ..engine.model_runner import ModelRunner
     from ..model.load import load_model
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=_TIMEOUT)
     par = init_parallel(config.parallel.tensor_parallel_size, 1, config.parallel.enable_expert_parallel)
     model = load_model(config.model.path, dtype=config.model.dtype, backend="torch", parallel=par)
     sizes = [None]
@@ -82,17 +98,28 @@ class TensorParallelExecutor:
             raise ValueError("pipeline parallel execution in the engine is not implemented yet "
                              "(the sharded model runs pipeline stages: musespark.parallel)")
         self.world = par.tensor_parallel_size
-        port = _free_port()
-        ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=_worker, args=(r, self.world, port, config), daemon=True,
-                                    name=f"musespark-tp{r}") for r in range(1, self.world)]
-        for w in self.workers:
-            w.start()
+        self.workers: list[Any] = []
         self._closed = False
-        self._watch = threading.Thread(target=self._watchdog, name="musespark-tp-watchdog", daemon=True)
-        self._watch.start()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world,
-                                timeout=_TIMEOUT)
+        if launched_externally():  # torchrun: rank 0 serves, every other rank is a worker
+            world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+            if world != self.world:
+                raise ValueError(f"the launcher started {world} ranks but tensor_parallel_size={self.world}")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
+            if rank != 0:
+                run_worker(config)
+                raise SystemExit(0)  # a worker rank never serves: it ends with rank 0's stop
+        else:
+            port = _free_port()
+            ctx = mp.get_context("spawn")
+            self.workers = [ctx.Process(target=_worker, args=(r, self.world, port, config), daemon=True,
+                                        name=f"musespark-tp{r}") for r in range(1, self.world)]
+            for w in self.workers:
+                w.start()
+            self._watch = threading.Thread(target=self._watchdog, name="musespark-tp-watchdog", daemon=True)
+            self._watch.start()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world,
+                                    timeout=_TIMEOUT)
         self.parallel: ParallelContext = init_parallel(self.world, 1, par.enable_expert_parallel)
         atexit.register(self.shutdown)
 
