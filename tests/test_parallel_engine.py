@@ -1,5 +1,5 @@
 """The engine across processes: `LLM(tensor_parallel_size=2)` (with and without expert
-parallelism) gives the same greedy text as one process for mixed-length prompts with prefix
+parallelism), `pipeline_parallel_size=2` and TP2 x PP2 give the same greedy text as one process for mixed-length prompts with prefix
 caching and preemption active; `musespark serve -tp 2` answers the `openai` client the
 same; a worker killed mid-generation makes the server exit non-zero within 30 s, naming
 the rank, and leaves no orphan processes."""
@@ -44,9 +44,10 @@ def one_process():
     return run()
 
 
-@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep"])
-def test_llm_tensor_parallel_matches_one_process(one_process, ep):
-    texts, preemptions, hits = run(tensor_parallel_size=2, enable_expert_parallel=ep)
+@pytest.mark.parametrize("tp, pp, ep", [(2, 1, False), (2, 1, True), (1, 2, False), (2, 2, True)],
+                         ids=["tp2", "tp2-ep", "pp2", "tp2-ep-pp2"])
+def test_llm_parallel_matches_one_process(one_process, tp, pp, ep):
+    texts, preemptions, hits = run(tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep)
     ref_texts, ref_preemptions, ref_hits = one_process
     assert ref_preemptions > 0 and ref_hits > 0  # the case exercises preemption and prefix caching
     assert texts == ref_texts

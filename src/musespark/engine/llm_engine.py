@@ -48,9 +48,6 @@ class LLMEngine:
                                        "(pass model=DIR for a checkpoint directory)", param="config")
         else:
             check_no_conflict(config, engine_args)
-        if config.parallel.pipeline_parallel_size > 1:
-            raise InvalidArgumentError("pipeline parallel serving is not implemented yet (tensor and expert "
-                                       "parallelism are)", param="pipeline_parallel_size")
         if config.parallel.enable_expert_parallel and config.parallel.tensor_parallel_size == 1:
             raise InvalidArgumentError("enable_expert_parallel needs tensor_parallel_size > 1 (the EP group is the "
                                        "TP group)", param="enable_expert_parallel")

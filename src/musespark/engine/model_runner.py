@@ -78,6 +78,22 @@ class StepInputs:
     scored_rows: list[tuple[int, int]]  # prompt_logprobs: (first row, rows)
 
 
+def _relay(logits: torch.Tensor | None, shape: tuple[int, int], source: int, device: torch.device
+           ) -> torch.Tensor | None:
+    """Pipeline parallel: the last stage's first TP rank (`source`) sends its logits to rank
+    0; rank 0 gets them back, the sender gets None."""
+    import torch.distributed as dist
+
+    if logits is not None and dist.get_rank() == source:
+        if source == 0:
+            return logits
+        dist.send(logits.contiguous(), dst=0)
+        return None
+    out = torch.empty(shape, dtype=torch.float32, device=device)
+    dist.recv(out, src=source)
+    return out
+
+
 def _prompt_logprobs(logits: torch.Tensor, request: Request, pos: int) -> list[TokenLogprobs]:
     """Logprobs (the raw logits' log_softmax, as for sampled tokens) of prompt tokens
     pos+1 .. pos+m from logits [m, V] at positions pos .. pos+m-1, each with the top
@@ -119,7 +135,10 @@ class ModelRunner:
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
         budget = cache.kv_cache_memory or int(available_memory() * cache.kv_cache_fraction)
         given = num_blocks
-        num_blocks = num_blocks_for_budget(budget, cache.block_size, self.layout.num_slots,
+        # A pipeline stage caches only its own layers' slots.
+        start, end = model.layer_range
+        needed = sorted({self.layout.layer_slot[i] for i in range(start, end)})
+        num_blocks = num_blocks_for_budget(budget, cache.block_size, len(needed),
                                            kv_heads, cfg.head_dim, dtype_bytes)
         # Blocks one sequence can hold at most: full groups its whole length, sliding groups
         # their window (+2: a block boundary and the block being filled).
@@ -133,9 +152,10 @@ class ModelRunner:
                 f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len")
         self.num_blocks = num_blocks = given if given is not None else num_blocks
         shape = (num_blocks, cache.block_size, kv_heads, cfg.head_dim)
-        slots = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
-                  torch.zeros(shape, dtype=model.dtype, device=model.device)) for _ in range(self.layout.num_slots)]
-        self.kv_caches = [slots[s] for s in self.layout.layer_slot]  # per layer: its group slot's (K, V)
+        slots = {s: (torch.zeros(shape, dtype=model.dtype, device=model.device),
+                     torch.zeros(shape, dtype=model.dtype, device=model.device)) for s in needed}
+        # Per layer: its group slot's (K, V); None for another pipeline stage's layer.
+        self.kv_caches = [slots.get(s) for s in self.layout.layer_slot]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
@@ -204,14 +224,28 @@ class ModelRunner:
                                kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group)
         hidden = self.model(torch.tensor(inputs.ids, device=device), torch.tensor(inputs.positions, device=device),
                             ctx)
+        par = self.model.parallel
+        # Pipeline parallel: the last stage computes the logits and its first TP rank sends
+        # them to rank 0 (the first stage's), which samples; other ranks compute nothing more.
+        last = par.is_last_stage
+        relay = par.pp_size > 1 and (par.rank == 0 or (last and par.tp_rank == 0))
+        source = par.stage_rank(par.pp_size - 1) - par.tp_rank
+
+        def logits_of(rows: torch.Tensor | slice, n: int) -> torch.Tensor | None:
+            out = self.model.compute_logits(hidden[rows]).float() if last else None
+            if relay:
+                out = _relay(out, (n, self.model.config.vocab_size), source, device)
+            return out if par.rank == 0 or par.pp_size == 1 else None
+
         for j, (row, n) in enumerate(inputs.scored_rows):
             for lo in range(0, n, _SCORE_ROWS):
-                logits = self.model.compute_logits(hidden[row + lo:row + min(n, lo + _SCORE_ROWS)]).float()
+                m = min(_SCORE_ROWS, n - lo)
+                logits = logits_of(slice(row + lo, row + lo + m), m)
                 if score is not None:
                     score(j, lo, logits)
         if not inputs.sample_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(inputs.sample_rows, device=device)])
+        return logits_of(torch.tensor(inputs.sample_rows, device=device), len(inputs.sample_rows))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: ModelRunnerOutput) -> None:
         V = logits.shape[-1]

@@ -1,5 +1,5 @@
-"""Tensor-parallel execution on one machine: the engine process is rank 0 (it schedules and
-samples), and it spawns tp - 1 worker processes (`multiprocessing` "spawn") joined over
+"""Tensor- and pipeline-parallel execution: the engine process is rank 0 (it schedules and
+samples), and it spawns tp * pp - 1 worker processes (`multiprocessing` "spawn") joined over
 gloo. Each step rank 0 broadcasts the model call's inputs (`StepInputs`: token ids,
 positions, slots, block tables, which rows to score), every rank runs the same forward on
 its shard, and the collectives inside give rank 0 the full logits (PARALLEL.md §9).
@@ -74,7 +74,8 @@ def run_worker(config: Any) -> None:
     from ..engine.model_runner import ModelRunner
     from ..model.load import load_model
 
-    par = init_parallel(config.parallel.tensor_parallel_size, 1, config.parallel.enable_expert_parallel)
+    p = config.parallel
+    par = init_parallel(p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
     model = load_model(config.model.path, dtype=config.model.dtype, backend="torch", parallel=par)
     sizes = [None]
     dist.broadcast_object_list(sizes, src=0)
@@ -94,16 +95,14 @@ class TensorParallelExecutor:
 
     def __init__(self, config: Any) -> None:
         par = config.parallel
-        if par.pipeline_parallel_size > 1:
-            raise ValueError("pipeline parallel execution in the engine is not implemented yet "
-                             "(the sharded model runs pipeline stages: musespark.parallel)")
-        self.world = par.tensor_parallel_size
+        self.world = par.world_size  # tensor_parallel_size * pipeline_parallel_size
         self.workers: list[Any] = []
         self._closed = False
         if launched_externally():  # torchrun: rank 0 serves, every other rank is a worker
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.world:
-                raise ValueError(f"the launcher started {world} ranks but tensor_parallel_size={self.world}")
+                raise ValueError(f"the launcher started {world} ranks but tensor_parallel_size x "
+                                 f"pipeline_parallel_size = {self.world}")
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
             if rank != 0:
@@ -120,7 +119,8 @@ class TensorParallelExecutor:
             self._watch.start()
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world,
                                     timeout=_TIMEOUT)
-        self.parallel: ParallelContext = init_parallel(self.world, 1, par.enable_expert_parallel)
+        self.parallel: ParallelContext = init_parallel(par.tensor_parallel_size, par.pipeline_parallel_size,
+                                                       par.enable_expert_parallel)
         atexit.register(self.shutdown)
 
     def start(self, num_blocks: int) -> None:
