@@ -81,6 +81,7 @@ def test_vllm_value_syntax_and_aliases():
     ("--kv-cache-dtype fp8", "fp8 KV cache is not implemented yet; use --kv-cache-dtype auto"),
     ("--kv-cache-dtype fp8_e4m3", "fp8 KV cache is not implemented yet"),
     ("-dp 2", "issue 14"), ("--decode-context-parallel-size 2", "issue 14"),
+    ("--distributed-executor-backend ray", "only mp (local workers) and external_launcher"),
     ("--quantization modelopt_fp4", "not implemented yet (issue 15)"),
     ("--enable-lora", "LoRA"), ("--middleware m.M", "middleware"), ("--uds /tmp/s", "Unix domain sockets"),
 ])
@@ -94,7 +95,7 @@ def test_refused(line, message, capsys):
 
 
 def test_parallel_flags_are_ours():
-    args = parse("-tp 2 -ep -pp 1")
+    args = parse("-tp 2 -ep -pp 1 --distributed-executor-backend mp")
     assert (args.tensor_parallel_size, args.enable_expert_parallel, args.pipeline_parallel_size) == (2, True, 1)
     args = parse("--tensor-parallel-size 4 --no-enable-expert-parallel --pipeline-parallel-size 2")
     assert (args.tensor_parallel_size, args.enable_expert_parallel, args.pipeline_parallel_size) == (4, False, 2)

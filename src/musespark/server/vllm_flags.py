@@ -159,7 +159,7 @@ _TABLE = """
 --mamba-cache-philox-rounds                           value    ignored: model-architecture setting that does not apply to Muse Spark
 --reasoning-parser                                    value    ours
 --reasoning-parser-plugin                             value    ignored: frontend option not implemented
---distributed-executor-backend                        value    ignored: multi-process/multi-node serving is not implemented (one process here)
+--distributed-executor-backend                        value    checked: mp (spawned workers, the default) and external_launcher (torchrun) accepted; others refused
 --pipeline-parallel-size,-pp                          value    ours
 --master-addr                                         value    ignored: multi-process/multi-node serving is not implemented (one process here)
 --master-port                                         value    ignored: multi-process/multi-node serving is not implemented (one process here)
@@ -518,6 +518,13 @@ def _check_parallel(flag: VllmFlag, value: Any) -> str | None:
     return f"refused: {flag.name} {size}: {_PARALLEL}" if size != 1 else None
 
 
+def _check_executor_backend(flag: VllmFlag, value: Any) -> str | None:
+    if value in ("mp", "external_launcher"):
+        return None  # spawned workers; or ranks a launcher started (detected from its environment)
+    return f"refused: --distributed-executor-backend {value}: only mp (local workers) and external_launcher " \
+           "(torchrun) are implemented"
+
+
 def _check_kv_cache_dtype(flag: VllmFlag, value: Any) -> str | None:
     if value == "auto":
         return None
@@ -543,7 +550,7 @@ def _check_structured_outputs(flag: VllmFlag, value: Any) -> str | None:
     return "ignored: only the built-in (xgrammar) structured outputs backend exists; settings not applied"
 
 
-_CHECKS = {"--data-parallel-size": _check_parallel, "--decode-context-parallel-size": _check_parallel,
+_CHECKS = {"--distributed-executor-backend": _check_executor_backend, "--data-parallel-size": _check_parallel, "--decode-context-parallel-size": _check_parallel,
            "--prefill-context-parallel-size": _check_parallel,
            "--kv-cache-dtype": _check_kv_cache_dtype, "--quantization": _check_quantization,
            "--structured-outputs-config": _check_structured_outputs}
