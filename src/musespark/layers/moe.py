@@ -118,19 +118,20 @@ class Experts(nn.Module):
         order = torch.argsort(flat_ids, stable=True)  # [T*k] assignments grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         x = u[order // k]  # [T*k, Hm] expert inputs, grouped by expert
+        partial = par.tp_size > 1 and not par.expert_parallel  # TP-split experts: Im-slices to sum
         ys = []
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
                 continue
             if first <= expert < first + self.local_experts:
-                ys.append(self.format.apply(self, expert - first, x[start:start + n]))  # [n, Hm]
+                ys.append(self.format.apply(self, expert - first, x[start:start + n], partial))  # [n, Hm]
             else:  # another EP rank's expert: contributes nothing here (a zero row stays zero)
                 ys.append(x.new_zeros(n, self.hidden))
             start += n
         y = torch.cat(ys)
-        if not par.expert_parallel:
-            y = par.all_reduce_fp32(y)  # TP-split experts: full rows before the norm
+        if partial:  # full rows before the norm: fp32 sum over the ranks, rounded once
+            y = par.all_reduce_fp32(y).to(u.dtype)
         norm = self.post_expert_norm
         y = input_scaled_rms_norm(y, norm.eps, norm.weight, norm.gain_center, torch.float32)
         y = y * weights.reshape(-1)[order, None]

@@ -26,9 +26,12 @@ class DenseExperts(ExpertsFormat):
         return {"gate_up_proj": TensorSpec((num_experts, 2 * intermediate, hidden)),
                 "down_proj": TensorSpec((num_experts, hidden, intermediate))}
 
-    def apply(self, module: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
         gate, up = linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, Im] each
-        return linear(F.silu(gate) * up, module.down_proj[expert])
+        h = F.silu(gate) * up
+        if partial:
+            return F.linear(h.float(), module.down_proj[expert].float())
+        return linear(h, module.down_proj[expert])
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,10 @@ class ExpertsFormat(ABC):
         register_tensors(module, self.tensors(num_experts, intermediate, hidden))
 
     @abstractmethod
-    def apply(self, module: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `expert`'s SwiGLU: x [n, Hm] (activation dtype) -> down(silu(gate x) * up x) [n, Hm]."""
+    def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """Expert `expert`'s SwiGLU: x [n, Hm] (activation dtype) -> down(silu(gate x) * up x) [n, Hm]
+        in x's dtype; `partial` (a tensor-parallel slice of Im): the down product in fp32,
+        unrounded, to be summed over the ranks before rounding."""
 
 
 class WeightFormats:
