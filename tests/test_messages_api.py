@@ -240,3 +240,19 @@ def test_server_auth_and_errors(client, server):
                                tool_choice={"type": "tool", "name": "nope"},
                                messages=[{"role": "user", "content": "x"}])
     assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_transport_errors_use_anthropics_shape_on_messages_routes():
+    from fastapi.testclient import TestClient
+
+    from musespark import LLM
+    from musespark.server.api import ServerConfig, build_app
+
+    app = build_app(LLM(max_model_len=128).engine, ServerConfig(model_name="m", api_key="k", log_requests=False))
+    with TestClient(app) as c:
+        r = c.post("/v1/messages", content=b"{}", headers={"x-api-key": "k", "content-type": "text/plain"})
+        assert r.status_code == 415 and r.json()["type"] == "error" and r.json()["error"]["message"]
+        r = c.post("/v1/messages", json={}, headers={"x-api-key": "wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = c.post("/v1/completions", json={}, headers={"authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401  # OpenAI's shape elsewhere

@@ -145,15 +145,24 @@ class GuardMiddleware:
             ok = self._matches(x_api_key.strip()) or ok
         return ok
 
+    @staticmethod
+    def _refuse(scope: Scope, status: int, message: str) -> JSONResponse:
+        """The error in the route's shape: Anthropic's on /v1/messages, else OpenAI's."""
+        if scope["path"].startswith("/v1/messages"):
+            from .messages import error_response
+
+            return error_response(status, message)
+        return _error(status, message)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self._want is not None and scope["path"].startswith("/v1"):
             if not self._authorized(headers.get(b"authorization", b""), headers.get(b"x-api-key")):
-                return await _error(401, "Unauthorized: missing or wrong API key")(scope, receive, send)
+                return await self._refuse(scope, 401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):
-            return await _error(415, "request bodies must be JSON (Content-Type: application/json)")(
+            return await self._refuse(scope, 415, "request bodies must be JSON (Content-Type: application/json)")(
                 scope, receive, send)
         limit = self.config.max_request_body_bytes
         length = headers.get(b"content-length")
@@ -161,9 +170,9 @@ class GuardMiddleware:
             try:
                 too_big = int(length) > limit
             except ValueError:
-                return await _error(400, "invalid Content-Length header")(scope, receive, send)
+                return await self._refuse(scope, 400, "invalid Content-Length header")(scope, receive, send)
             if too_big:
-                return await _error(413, f"request body exceeds {limit} bytes")(scope, receive, send)
+                return await self._refuse(scope, 413, f"request body exceeds {limit} bytes")(scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -171,7 +180,7 @@ class GuardMiddleware:
                 return  # the client went away before sending its body
             size += len(message.get("body", b""))
             if size > limit:
-                return await _error(413, f"request body exceeds {limit} bytes")(scope, receive, send)
+                return await self._refuse(scope, 413, f"request body exceeds {limit} bytes")(scope, receive, send)
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
