@@ -73,9 +73,10 @@ def test_loose_arguments_may_not_contradict_a_config():
         LLMEngine(config, bogus=1)
     with pytest.raises(ValueError, match="bogus"):
         LLMEngine(bogus=1)
-    with pytest.raises(InvalidArgumentError, match="parallelism"):
+    with pytest.raises(InvalidArgumentError, match="tensor_parallel_size > 1") as err:
         LLMEngine(EngineConfig(model=ModelSettings(path=bundled_model_path()),
-                               parallel=ParallelConfig(tensor_parallel_size=2)))
+                               parallel=ParallelConfig(enable_expert_parallel=True)))
+    assert err.value.param == "enable_expert_parallel"
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -82,7 +82,6 @@ def test_vllm_value_syntax_and_aliases():
     ("--kv-cache-dtype fp8_e4m3", "fp8 KV cache is not implemented yet"),
     ("-dp 2", "issue 14"), ("--decode-context-parallel-size 2", "issue 14"),
     ("--distributed-executor-backend ray", "only mp (local workers) and external_launcher"),
-    ("--quantization modelopt_fp4", "not implemented yet (issue 15)"),
     ("--enable-lora", "LoRA"), ("--middleware m.M", "middleware"), ("--uds /tmp/s", "Unix domain sockets"),
 ])
 def test_refused(line, message, capsys):

@@ -414,6 +414,30 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write an NVFP4 (ModelOpt-format) copy of a bf16 checkpoint")
+    p.add_argument("--format", required=True, choices=["nvfp4"], help="the quantized format (NVFP4: E2M1 codes, "
+                   "fp8-e4m3 block scales per 16, fp32 global and calibrated input scales)")
+    p.add_argument("src", metavar="SRC", help="the unquantized checkpoint directory")
+    p.add_argument("dst", metavar="DST", help="the new checkpoint directory (must not exist or be empty)")
+    p.add_argument("--scope", default="experts", choices=["experts", "linear"],
+                   help="experts (default): routed experts of every layer but the first and last; "
+                   "linear: every linear layer and all experts, not the LM head")
+    p.add_argument("--calibration-prompts", type=int, default=16, metavar="N",
+                   help="prompts the bf16 model runs to calibrate the activation input scales (default 16)")
+    p.add_argument("--calibration-file", default=None, metavar="F",
+                   help="a text file whose blank-line-separated paragraphs are the calibration prompts "
+                   "(default: modules of the Python standard library, the bundled model's corpus)")
+
+
+def _run_quantize(args: argparse.Namespace) -> int:
+    from .quant.quantize import quantize_checkpoint
+
+    quantize_checkpoint(args.src, args.dst, scope=args.scope, calibration_prompts=args.calibration_prompts,
+                        calibration_file=args.calibration_file)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="musespark", description="Serve and run Muse Spark 1x models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -421,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     _plan_parser(sub)
+    _quantize_parser(sub)
     return parser
 
 
@@ -435,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_bench(args)
         if args.command == "plan":
             return _run_plan(args)
+        if args.command == "quantize":
+            return _run_quantize(args)
     except ValueError as exc:
         print(f"musespark {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -342,6 +342,7 @@ class ModelSettings:
     backend: BackendName = "auto"
     seed: int | None = 0
     generation_config: str = "auto"  # "auto" | "vllm" | a directory (vLLM's --generation-config)
+    nvfp4_mode: str = "weight-only"  # NVFP4 checkpoints: "weight-only" | "w4a4"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -352,6 +353,9 @@ class ModelSettings:
         if self.backend not in BACKENDS:
             raise InvalidArgumentError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}",
                                        param="backend")
+        if self.nvfp4_mode not in ("weight-only", "w4a4"):
+            raise InvalidArgumentError(f"nvfp4_mode must be 'weight-only' or 'w4a4', got {self.nvfp4_mode!r}",
+                                       param="nvfp4_mode")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidArgumentError(f"seed must be None or an int, got {self.seed!r}", param="seed")
 

@@ -87,6 +87,9 @@ class EngineArgs:
         "shard the experts by expert (EP = TP group) instead of by width", action="store_true")})
     pipeline_parallel_size: int = field(default=1, metadata={"cli": _flag(
         "pipeline stages (the sharded model runs them; the engine does not yet)", type=int)})
+    nvfp4_mode: str = field(default="weight-only", metadata={"cli": _flag(
+        "NVFP4 checkpoints: weight-only (bf16 activations, vLLM on Hopper) or w4a4 (activations quantized "
+        "per 16, vLLM on Blackwell)", choices=("weight-only", "w4a4"))})
     generation_config: str = field(default="auto", metadata={"cli": _flag(
         "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none: vLLM's "
         "defaults), or a directory holding a generation_config.json")})
@@ -131,7 +134,7 @@ class EngineArgs:
             batched = max(2048, min(max_len, 8192))
         return EngineConfig(
             model=ModelSettings(path=path, dtype=self.dtype, backend=self.backend, seed=self.seed,
-                                generation_config=self.generation_config),
+                                generation_config=self.generation_config, nvfp4_mode=self.nvfp4_mode),
             cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                               kv_cache_fraction=self.kv_cache_fraction,
                               enable_prefix_caching=self.enable_prefix_caching),
@@ -147,6 +150,7 @@ class EngineArgs:
 _CONFIG_FIELD = {
     "model": ("model", "path"), "dtype": ("model", "dtype"), "backend": ("model", "backend"),
     "seed": ("model", "seed"), "generation_config": ("model", "generation_config"),
+    "nvfp4_mode": ("model", "nvfp4_mode"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "enable_expert_parallel": ("parallel", "enable_expert_parallel"),

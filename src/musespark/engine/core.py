@@ -74,9 +74,10 @@ class EngineCore:
             self.executor = TensorParallelExecutor(config)
             backend = "torch" if settings.backend == "auto" else settings.backend
             self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=backend,
-                                    parallel=self.executor.parallel)
+                                    parallel=self.executor.parallel, nvfp4_mode=settings.nvfp4_mode)
         else:
-            self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=settings.backend)
+            self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=settings.backend,
+                                    nvfp4_mode=settings.nvfp4_mode)
         self.eos_token_ids = frozenset(self.model.config.eos_token_id) | frozenset(extra_eos_token_ids)
         self.runner = ModelRunner(self.model, config.cache, sched.max_model_len, sched.max_num_seqs,
                                   broadcast=None if self.executor is None else self.executor.broadcast)

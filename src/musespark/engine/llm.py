@@ -47,6 +47,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         pipeline_parallel_size: int = 1,
+        nvfp4_mode: str = "weight-only",
         show_progress: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -57,7 +58,7 @@ class LLM:
                           block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, generation_config=generation_config,
                           tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
-                          pipeline_parallel_size=pipeline_parallel_size)
+                          pipeline_parallel_size=pipeline_parallel_size, nvfp4_mode=nvfp4_mode)
         progress = _progress_bar("Loading weights") if show_progress else None
         self.engine = LLMEngine(args.create_engine_config(), progress=progress)
         self._ids = itertools.count()

@@ -13,6 +13,8 @@ from ..checkpoint.loader import load_config, read_state_dict, resolve_dtype
 from ..checkpoint.names import TensorSpec, keeps_fp32
 from ..parallel.state import SINGLE, ParallelContext
 from ..quant import WeightFormats
+from ..quant.config import Nvfp4WeightFormats, checkpoint_formats
+from ..quant.nvfp4 import check_checkpoint_layout, check_finite_scales, scale_tensor_names
 from .muse_spark import MuseSparkForCausalLM
 
 
@@ -44,6 +46,7 @@ def load_model(
     backend: str | Backend = "auto",
     formats: WeightFormats | None = None,
     parallel: ParallelContext = SINGLE,
+    nvfp4_mode: str = "weight-only",
 ) -> MuseSparkForCausalLM:
     """Load a released-format checkpoint directory; the model comes back in eval mode.
 
@@ -54,9 +57,16 @@ def load_model(
     second copy of the weights is made. `parallel` (see `musespark.parallel`): this rank's
     shard of a tensor/pipeline/expert-parallel model; it reads only its slices of each
     tensor and only its stage's layers.
+
+    `formats` None: the checkpoint's own (dense, or NVFP4 per its quantization config with
+    its exclude list, `quant.config`); `nvfp4_mode` says how NVFP4 layers multiply:
+    "weight-only" (decoded weights, unquantized activations: vLLM on Hopper) or "w4a4"
+    (activations quantized with the input scales: vLLM on Blackwell).
     """
     cfg = load_config(path)
     torch_dtype = resolve_dtype(dtype, cfg)
+    if formats is None:
+        formats = checkpoint_formats(path, nvfp4_mode)
     with torch.device("meta"):
         model = MuseSparkForCausalLM(cfg, formats, parallel=parallel)
     specs = checkpoint_tensors(model)
@@ -65,7 +75,12 @@ def load_model(
         with torch.device("meta"):
             whole = MuseSparkForCausalLM(cfg, formats)
         elsewhere = set(checkpoint_tensors(whole)) - set(specs)
+    nvfp4 = isinstance(formats, Nvfp4WeightFormats)
+    if nvfp4:
+        check_checkpoint_layout(path, specs)
     state = read_state_dict(path, cfg, torch_dtype, device, progress, specs=specs, skip=elsewhere)
+    if nvfp4:
+        check_finite_scales(state, scale_tensor_names(specs))
     model.load_state_dict(state, strict=True, assign=True)
     for p in model.parameters():
         p.requires_grad_(False)

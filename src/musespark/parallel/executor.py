@@ -76,7 +76,8 @@ def run_worker(config: Any) -> None:
 
     p = config.parallel
     par = init_parallel(p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
-    model = load_model(config.model.path, dtype=config.model.dtype, backend="torch", parallel=par)
+    model = load_model(config.model.path, dtype=config.model.dtype, backend="torch", parallel=par,
+                       nvfp4_mode=config.model.nvfp4_mode)
     sizes = [None]
     dist.broadcast_object_list(sizes, src=0)
     runner = ModelRunner(model, config.cache, config.scheduler.max_model_len, config.scheduler.max_num_seqs,

@@ -534,8 +534,8 @@ def _check_kv_cache_dtype(flag: VllmFlag, value: Any) -> str | None:
 
 
 def _check_quantization(flag: VllmFlag, value: Any) -> str | None:
-    if value == "modelopt_fp4":
-        return "refused: --quantization modelopt_fp4 (NVFP4) is not implemented yet (issue 15)"
+    if value in ("modelopt_fp4", "modelopt"):
+        return None  # an NVFP4 checkpoint: its own quantization config is read (musespark.quant.config)
     return f"ignored: quantization {value!r} is not applied; the checkpoint's weights are used as stored"
 
 

@@ -1,0 +1,190 @@
+"""NVFP4 ("modelopt_fp4") weight formats: a linear layer and the fused 3-D experts stored as
+packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (/work/shared/NVFP4.md
+§2, §3), kept packed in memory and decoded on every product (a plain-torch reference).
+
+Two numerics modes, one per model:
+- "weight-only": each weight is decoded to fp32, rounded to the activation dtype and
+  multiplied with the unquantized activations (vLLM's Hopper/Marlin W4A16 path);
+- "w4a4": the activations are quantized per 16 with the static input scale first (NVFP4.md
+  §4) and the product is alpha * sum_k (E2M1*sf_x)(E2M1*sf_w) in fp32 with
+  alpha = input_scale * weight_scale_2 (the Blackwell GEMM); the experts follow the TRT-LLM
+  MoE steps (one input scale A1 = max over experts for GEMM1, A2 for GEMM2, h re-quantized).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoint.loader import find_weight_files
+from ..checkpoint.names import TensorSpec, to_relative
+from ..checkpoint.safetensors_file import SafetensorsFile
+from ..layers.linear import linear
+from .format import ExpertsFormat, LinearFormat
+from .nvfp4_math import BLOCK, dequantize, quantize_activation, unscaled_weight
+
+MODES = ("weight-only", "w4a4")
+CODES, SCALE = torch.uint8, torch.float8_e4m3fn
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"nvfp4_mode must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+def _check_k(name: str, k: int, what: str) -> None:
+    if k % BLOCK:
+        raise ValueError(f"{name}: NVFP4 needs {what} to be a multiple of {BLOCK}, got {k} "
+                         "(exclude this module or pad it)")
+
+
+class Nvfp4Linear(LinearFormat):
+    """One NVFP4 linear layer [N, K] named `name` (our relative module name, for errors).
+    Tensors: `weight` uint8 [N, K/2], `weight_scale` e4m3 [N, K/16], `weight_scale_2` fp32
+    0-d, and `input_scale` fp32 0-d when the checkpoint has activation scales (quant_algo
+    NVFP4; not W4A16_NVFP4)."""
+
+    def __init__(self, name: str, mode: str = "weight-only", input_scales: bool = True) -> None:
+        self.name, self.mode, self.input_scales = name, check_mode(mode), input_scales
+        if mode == "w4a4" and not input_scales:
+            raise ValueError(f"{name}: nvfp4_mode 'w4a4' needs input scales, and a W4A16_NVFP4 checkpoint has none")
+
+    def tensors(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
+        _check_k(self.name, in_features, "in_features (K)")
+        N, K = out_features, in_features
+        specs = {"weight": TensorSpec((N, K // 2), CODES),
+                 "weight_scale": TensorSpec((N, K // BLOCK), SCALE),
+                 "weight_scale_2": TensorSpec((), torch.float32)}
+        if self.input_scales:
+            specs["input_scale"] = TensorSpec((), torch.float32)
+        return specs
+
+    def dequantized(self, module: nn.Module) -> torch.Tensor:
+        """The decoded weight [N, K] in fp32."""
+        return dequantize(module.weight, module.weight_scale, module.weight_scale_2)
+
+    def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "weight-only":
+            return linear(x, self.dequantized(module).to(x.dtype))
+        xq, _ = quantize_activation(x, module.input_scale)
+        alpha = module.input_scale.float() * module.weight_scale_2.float()
+        w = unscaled_weight(module.weight, module.weight_scale)
+        return (F.linear(xq, w) * alpha).to(x.dtype)
+
+    def __repr__(self) -> str:
+        return f"Nvfp4Linear({self.mode})"
+
+
+class Nvfp4Experts(ExpertsFormat):
+    """E fused NVFP4 SwiGLU experts named `name` (NVFP4.md §3): `gate_up_proj` uint8
+    [E, 2I, Hm/2] (gate rows [0, I), up rows [I, 2I)), `gate_up_proj_weight_scale` e4m3
+    [E, 2I, Hm/16], `gate_up_proj_weight_scale_2` fp32 [E, 2] (col 0 gate, col 1 up),
+    `down_proj` uint8 [E, Hm, I/2], `down_proj_weight_scale` e4m3 [E, Hm, I/16],
+    `down_proj_weight_scale_2` fp32 [E]; with input scales also `gate_up_proj_input_scale`
+    fp32 [E, 2] and `down_proj_input_scale` fp32 [E]."""
+
+    def __init__(self, name: str, mode: str = "weight-only", input_scales: bool = True) -> None:
+        self.name, self.mode, self.input_scales = name, check_mode(mode), input_scales
+        if mode == "w4a4" and not input_scales:
+            raise ValueError(f"{name}: nvfp4_mode 'w4a4' needs input scales, and a W4A16_NVFP4 checkpoint has none")
+
+    def tensors(self, num_experts: int, intermediate: int, hidden: int) -> dict[str, TensorSpec]:
+        _check_k(self.name, hidden, "moe_hidden_size (gate_up_proj's K)")
+        _check_k(self.name, intermediate, "moe_intermediate_size (down_proj's K)")
+        E, I, Hm = num_experts, intermediate, hidden
+        specs = {"gate_up_proj": TensorSpec((E, 2 * I, Hm // 2), CODES),
+                 "gate_up_proj_weight_scale": TensorSpec((E, 2 * I, Hm // BLOCK), SCALE),
+                 "gate_up_proj_weight_scale_2": TensorSpec((E, 2), torch.float32),
+                 "down_proj": TensorSpec((E, Hm, I // 2), CODES),
+                 "down_proj_weight_scale": TensorSpec((E, Hm, I // BLOCK), SCALE),
+                 "down_proj_weight_scale_2": TensorSpec((E,), torch.float32)}
+        if self.input_scales:
+            specs["gate_up_proj_input_scale"] = TensorSpec((E, 2), torch.float32)
+            specs["down_proj_input_scale"] = TensorSpec((E,), torch.float32)
+        return specs
+
+    @staticmethod
+    def gate_up_global(module: nn.Module, expert: int) -> torch.Tensor:
+        """Expert `expert`'s per-row global scale [2I, 1]: ws2[e, 0] for gate rows, ws2[e, 1] for up rows."""
+        rows = module.gate_up_proj.shape[1] // 2
+        return module.gate_up_proj_weight_scale_2[expert].float().repeat_interleave(rows)[:, None]
+
+    def dequantized(self, module: nn.Module, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s decoded (gate_up [2I, Hm], down [Hm, I]) in fp32."""
+        gate_up = dequantize(module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert],
+                             self.gate_up_global(module, expert))
+        down = dequantize(module.down_proj[expert], module.down_proj_weight_scale[expert],
+                          module.down_proj_weight_scale_2[expert])
+        return gate_up, down
+
+    def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        if self.mode == "weight-only":
+            gate_up, down = (w.to(x.dtype) for w in self.dequantized(module, expert))
+            gate, up = linear(x, gate_up).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            return F.linear(h.float(), down.float()) if partial else linear(h, down)
+        a1 = module.gate_up_proj_input_scale.float().max()  # one activation scale for all experts
+        a2 = module.down_proj_input_scale.float().max()
+        xq, _ = quantize_activation(x, a1)
+        ws2 = module.gate_up_proj_weight_scale_2[expert].float()
+        gu = F.linear(xq, unscaled_weight(module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert]))
+        gate, up = gu.chunk(2, dim=-1)
+        h = (F.silu(gate * (a1 * ws2[0])) * (up * (a1 * ws2[1]))).to(x.dtype)  # the kernel's rounding: inferred
+        hq, _ = quantize_activation(h, a2)
+        y = F.linear(hq, unscaled_weight(module.down_proj[expert], module.down_proj_weight_scale[expert]))
+        y = y * (a2 * module.down_proj_weight_scale_2[expert].float())
+        return y if partial else y.to(x.dtype)
+
+    def __repr__(self) -> str:
+        return f"Nvfp4Experts({self.mode})"
+
+
+def scale_tensor_names(specs: dict[str, TensorSpec]) -> list[str]:
+    """The names among `specs` (relative, any module) that are NVFP4 scales, to check for NaN/inf."""
+    return [n for n, s in specs.items()
+            if s.dtype == SCALE or n.endswith(("weight_scale_2", "input_scale"))]
+
+
+def check_finite_scales(state: dict[str, torch.Tensor], names: list[str]) -> None:
+    """Refuse NaN/inf (vLLM's "never loaded" sentinel is NaN) or non-positive global/input scales."""
+    for name in names:
+        t = state[name]
+        if not torch.isfinite(t.float()).all():
+            raise ValueError(f"tensor {name!r}: NVFP4 scale holds NaN or inf; expected finite values")
+        if name.endswith(("weight_scale_2", "input_scale")) and not (t.float() > 0).all():
+            raise ValueError(f"tensor {name!r}: NVFP4 global/input scale must be > 0, got min {t.float().min().item()}")
+
+
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+
+
+def check_checkpoint_layout(path: str | Path, specs: dict[str, TensorSpec]) -> None:
+    """Header-only checks of checkpoint `path` against the NVFP4 model's `specs` (relative
+    names), for the mistakes whose generic loader error would not say what is wrong:
+    per-expert expert tensors (`experts.<e>.gate_proj.weight`: Muse needs the fused 3-D
+    layout), and a float tensor where a module that is not excluded needs packed codes."""
+    for file in find_weight_files(Path(path)):
+        with SafetensorsFile(file) as st:
+            for disk, entry in st.entries.items():
+                rel = to_relative(disk)
+                if rel is None:
+                    continue
+                per_expert = _PER_EXPERT.match(rel)
+                if per_expert and rel not in specs:
+                    raise ValueError(
+                        f"{file}: tensor {disk!r} is a per-expert tensor; NVFP4 experts must be stored fused, "
+                        f"one 3-D set per layer: {per_expert.group(1)}.gate_up_proj uint8 [E, 2I, Hm/2], "
+                        "gate_up_proj_weight_scale e4m3 [E, 2I, Hm/16], gate_up_proj_weight_scale_2 fp32 [E, 2], "
+                        "down_proj uint8 [E, Hm, I/2], ... (NVFP4.md §3)")
+                spec = specs.get(rel)
+                if spec is not None and spec.dtype == CODES and entry.dtype.is_floating_point:
+                    module = rel.rsplit(".", 1)[0]
+                    raise ValueError(
+                        f"{file}: tensor {disk!r} is stored as {entry.dtype}, but module {module!r} is not in the "
+                        f"quantization config's exclude list, so NVFP4 packed uint8 codes of shape "
+                        f"{list(spec.full_shape)} (and its scales) are expected; quantize it or exclude it")
