@@ -7,21 +7,34 @@ roundings as the torch backend; the embedding norm, final norm and LM head are n
 Every row is computed alone, so a request's tokens never depend on its batch.
 
 Decode rows attend through the native paged decode kernel for bf16 and fp32 caches.
-Everything else (fp32 and fp16 layers, other widths, other weight formats until they have
-kernels) is the torch backend's reference code: fp32 keeps MKL, as transformers does
-(README, "CPU kernels", says why).
+
+NVFP4 models (weight-only mode): the steps run the torch backend's reference code, but every
+product of an NVFP4 linear or NVFP4 experts module with at most `NVFP4_NATIVE_MAX_ROWS` rows
+of bf16/fp32 activations goes to the native weight-only kernel (`nvfp4_linear`,
+kernels/cpu_nvfp4.cpp), which decodes the packed weight on the fly: the same decoded values
+and products as `Nvfp4Linear`/`Nvfp4Experts.apply`, summed in a different fp32 order. How:
+`_NativeNvfp4` below; a dense LM head keeps the native head kernel.
+
+Everything else (fp32 and fp16 layers, other widths, w4a4 NVFP4, larger NVFP4 batches) is
+the torch backend's reference code: fp32 keeps MKL, as transformers does (README, "CPU
+kernels", says why).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..kernels import cpu
 from ..layers.attention import AttentionContext, paged_attention
 from ..layers.moe import SparseMoeBlock
 from ..quant.dense import DenseExperts, DenseLinear
+from ..quant.format import ExpertsFormat, LinearFormat
+from ..quant.nvfp4 import Nvfp4Experts, Nvfp4Linear
 from .base import Rotary
 from .torch_backend import TorchBackend
 
@@ -29,6 +42,97 @@ if TYPE_CHECKING:
     from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
 
 _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float32)
+# Most activation rows an NVFP4 product sends to the native kernel (decode batches, short
+# prefills); larger ones decode the weight once and use the reference GEMM.
+NVFP4_NATIVE_MAX_ROWS = 16
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    return (x.dtype in (torch.bfloat16, torch.float32) and 0 < x.numel() // x.shape[-1] <= NVFP4_NATIVE_MAX_ROWS
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+class _NativeNvfp4Linear(LinearFormat):
+    """`Nvfp4Linear` (weight-only) with the native product for decode-sized batches; the
+    reference `ref` for everything else."""
+
+    def __init__(self, ref: Nvfp4Linear, ops: Any) -> None:
+        self.ref, self.ops = ref, ops
+
+    def tensors(self, out_features: int, in_features: int) -> dict:
+        return self.ref.tensors(out_features, in_features)
+
+    def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not _native_rows(x):
+            return self.ref.apply(module, x)
+        y = self.ops.nvfp4_linear(x.reshape(-1, x.shape[-1]), module.weight, module.weight_scale.view(torch.uint8),
+                                  module.weight_scale_2)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class _NativeNvfp4Experts(ExpertsFormat):
+    """`Nvfp4Experts` (weight-only) with native products: gate|up in one call (its two global
+    scales, gate rows then up rows), silu(gate) * up in torch as the reference does, then down.
+    Tensor-parallel partial products (never on this backend) and large batches: `ref`."""
+
+    def __init__(self, ref: Nvfp4Experts, ops: Any) -> None:
+        self.ref, self.ops = ref, ops
+
+    def tensors(self, num_experts: int, intermediate: int, hidden: int) -> dict:
+        return self.ref.tensors(num_experts, intermediate, hidden)
+
+    def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        if partial or not _native_rows(x):
+            return self.ref.apply(module, expert, x, partial)
+        ops = self.ops
+        gate_up = ops.nvfp4_linear(x, module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert].view(torch.uint8),
+                                   module.gate_up_proj_weight_scale_2[expert])
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        return ops.nvfp4_linear(h, module.down_proj[expert], module.down_proj_weight_scale[expert].view(torch.uint8),
+                                module.down_proj_weight_scale_2[expert])
+
+
+class _NativeNvfp4:
+    """The NVFP4 modules of a model, grouped by the step owner that multiplies them (a
+    `DecoderLayer`, or the model for its LM head), each with a native twin of its format.
+
+    `with nvfp4.native(owner):` swaps the twins into the owner's modules for the duration of
+    one step and restores the reference formats afterwards (also on errors), so the reference
+    step code runs unchanged and the model keeps its own formats between steps: a torch
+    backend on the same model computes the reference. (Were another thread to run that same
+    model under another backend during a step, it would get the native products for that
+    step: the same values up to fp32 summation order.)"""
+
+    def __init__(self, model: "MuseSparkForCausalLM", ops: Any) -> None:
+        self.swaps: dict[nn.Module, list[tuple[nn.Module, Any]]] = {}
+        owners = [layer for layer in model.layers if hasattr(layer, "self_attn")] + [model]
+        for owner in owners:
+            modules = owner.modules() if owner is not model else [model.lm_head]
+            for m in modules:
+                fmt = getattr(m, "format", None) if m is not None else None
+                if isinstance(fmt, Nvfp4Linear) and fmt.mode == "weight-only" and getattr(m, "reduce", None) is None:
+                    twin: Any = _NativeNvfp4Linear(fmt, ops)
+                elif isinstance(fmt, Nvfp4Experts) and fmt.mode == "weight-only":
+                    twin = _NativeNvfp4Experts(fmt, ops)
+                else:
+                    continue
+                self.swaps.setdefault(owner, []).append((m, twin))
+
+    def __bool__(self) -> bool:
+        return bool(self.swaps)
+
+    @contextmanager
+    def native(self, owner: nn.Module) -> Iterator[None]:
+        swaps = self.swaps.get(owner, ())
+        saved = [m.format for m, _ in swaps]
+        try:
+            for m, twin in swaps:
+                m.format = twin
+            yield
+        finally:
+            for (m, _), fmt in zip(swaps, saved):
+                m.format = fmt
 
 
 class CpuBackend(TorchBackend):
@@ -53,7 +157,9 @@ class CpuBackend(TorchBackend):
         # Which steps have kernels for this model (its dtype is checked per call: `.to()` may change it).
         self.fused_blocks = dense and all(n % 8 == 0 for n in widths)
         self.native_decode = cfg.head_dim % 8 == 0
-        self.native_head = dense and cfg.hidden_size % 8 == 0
+        # The head kernel needs a dense head, whatever the other modules' formats.
+        self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
+        self.nvfp4 = _NativeNvfp4(model, ops)
 
     def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
         x = model.embed_tokens(input_ids)
@@ -64,7 +170,8 @@ class CpuBackend(TorchBackend):
     def attn_in(self, layer: "DecoderLayer", s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if not (self.fused_blocks and dtype == torch.bfloat16):
-            return super().attn_in(layer, s, rotary, dtype)
+            with self.nvfp4.native(layer):
+                return super().attn_in(layer, s, rotary, dtype)
         attn, norm = layer.self_attn, layer.input_layernorm
         cos, sin = rotary or (None, None)
         return self.ops.attn_in(s, norm.gain(), norm.eps, attn.q_proj.weight, attn.k_proj.weight,
@@ -80,7 +187,8 @@ class CpuBackend(TorchBackend):
 
     def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if not (self.fused_blocks and o.dtype == torch.bfloat16):
-            return super().attn_out(layer, s, o, g)
+            with self.nvfp4.native(layer):
+                return super().attn_out(layer, s, o, g)
         attn = layer.self_attn
         alpha, beta = layer.post_attention_residual_gate.coefficients_cached()
         return self.ops.attn_out(s, o.contiguous(), g, attn.o_proj.weight, attn.eps, alpha, beta,
@@ -88,7 +196,8 @@ class CpuBackend(TorchBackend):
 
     def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not (self.fused_blocks and dtype == torch.bfloat16):
-            return super().dense_ffn(layer, s, dtype)
+            with self.nvfp4.native(layer):
+                return super().dense_ffn(layer, s, dtype)
         mlp, pre, post = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
         alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
         return self.ops.ffn_dense(s, pre.gain(), pre.eps, mlp.gate_proj.weight, mlp.up_proj.weight,
@@ -98,7 +207,8 @@ class CpuBackend(TorchBackend):
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
         and one for the per-expert and block post-norms (both post_norm_eps)."""
         if not (self.fused_blocks and dtype == torch.bfloat16):
-            return super().moe_ffn(layer, s, dtype)
+            with self.nvfp4.native(layer):
+                return super().moe_ffn(layer, s, dtype)
         mlp: SparseMoeBlock = layer.mlp
         pre, post, router, experts = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, \
             mlp.gate, mlp.experts
@@ -117,7 +227,8 @@ class CpuBackend(TorchBackend):
 
     def logits(self, model: "MuseSparkForCausalLM", y: torch.Tensor) -> torch.Tensor:
         if not (self.native_head and y.dtype == torch.bfloat16 and y.shape[0] > 0):
-            return super().logits(model, y)
+            with self.nvfp4.native(model):
+                return super().logits(model, y)
         cap = model.config.final_logit_softcapping
         x = self.ops.linear_small_m(y.reshape(-1, y.shape[-1]), model.lm_head.weight).float()
         x = x * model.config.output_multiplier
