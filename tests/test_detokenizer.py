@@ -17,7 +17,7 @@ from musespark.engine.tokenizer import Tokenizer
 
 MODEL_DIR = bundled_model_path()
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-ASSISTANT_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+ASSISTANT_HEADER = "<|start|>assistant"  # the Muse generation prompt (MUSE_CHAT §2.1)
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +224,8 @@ MESSAGES = [
 def test_chat_template_with_generation_prompt(tok: Tokenizer) -> None:
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
     assert text.startswith(BOS) and text.count(BOS) == 1
-    for role in ("system", "user", "assistant"):
-        assert f"<|start_header_id|>{role}<|end_header_id|>" in text
+    for header in ("<|start|>system<|message|>", "<|start|>user<|message|>", "<|start|>assistant to=user<|message|>"):
+        assert header in text
     for content in ("Be brief.", "Hi\nthere", "Hello!", "What is 2+2?"):
         assert content in text
     assert text.endswith(ASSISTANT_HEADER)
@@ -233,7 +233,7 @@ def test_chat_template_with_generation_prompt(tok: Tokenizer) -> None:
 
 def test_chat_template_without_generation_prompt(tok: Tokenizer) -> None:
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
-    assert text.endswith("What is 2+2?<|eot_id|>")
+    assert text.endswith("What is 2+2?<|eot|>")
     assert not text.endswith(ASSISTANT_HEADER)
 
 
@@ -274,6 +274,7 @@ def test_no_chat_template(tmp_path: Path) -> None:
 
 def _dir_with_config(tmp_path: Path, **overrides) -> Path:
     shutil.copy(MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
+    shutil.copy(MODEL_DIR / "chat_template.jinja", tmp_path / "chat_template.jinja")
     cfg = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
     cfg.pop("add_bos_token")
     cfg.update(overrides)
@@ -317,8 +318,9 @@ def test_eos_ids_union_and_dict_form(tmp_path: Path) -> None:
     d = _dir_with_config(tmp_path, eos_token={"content": "<|eot_id|>", "special": True})
     t = Tokenizer.from_dir(d, extra_eos_ids=[1])
     assert t.eos_token_ids == {1, 4}
-    assert Tokenizer.from_dir(MODEL_DIR).eos_token_ids == {1}
-    assert t.vocab_size == 4096 and t.id_to_token(4) == "<|eot_id|>"
+    assert Tokenizer.from_dir(MODEL_DIR).eos_token_ids == {1}  # the tokenizer's own; config.json adds <|eot|>
+    assert Tokenizer.from_dir(MODEL_DIR, extra_eos_ids=[4099]).eos_token_ids == {1, 4099}
+    assert t.vocab_size == 4100 and t.id_to_token(4) == "<|eot_id|>" and t.id_to_token(4099) == "<|eot|>"
 
 
 def test_from_dir_errors_name_the_file(tmp_path: Path) -> None:

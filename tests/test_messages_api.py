@@ -105,7 +105,7 @@ def test_stop_reasons():
 def replay_client():
     from musespark.engine.llm_engine import LLMEngine
     from test_server_parsers import TRANSCRIPT
-    replay = ReplayEngine(LLMEngine(max_model_len=512), TRANSCRIPT)
+    replay = ReplayEngine(LLMEngine(max_model_len=2048), TRANSCRIPT)
     serving = Serving(replay, "m", 16, ChatSettings(reasoning_parser="muse", tool_call_parser="muse"))
     app = FastAPI()
     messages.add_routes(app, serving, Preparation())

@@ -49,7 +49,7 @@ class ReplayEngine:
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(max_model_len=512)
+    return LLMEngine(max_model_len=2048)  # the Muse system prompt with tools is ~600 tokens
 
 
 def serving_for(engine, text=TRANSCRIPT, **settings):

@@ -61,12 +61,17 @@ def test_choice_and_n_sequences(llm):
 
 
 def test_json_object_and_grammar(llm):
+    # Any JSON object: strings are unbounded, so a small model may run to max_tokens inside one;
+    # every output that stopped is a JSON object, and most stop.
+    outs = llm.generate(["x = "] * 4, [SamplingParams(temperature=0.8, seed=s, max_tokens=400,
+                                                      structured_outputs={"json_object": True}) for s in range(4)])
+    stopped = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert len(stopped) >= 3
+    assert all(isinstance(json.loads(c.text), dict) for c in stopped)
     ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
-    outs = llm.generate(["x = ", "x = "], [
-        SamplingParams(temperature=0.8, seed=1, max_tokens=120, structured_outputs={"json_object": True}),
-        SamplingParams(temperature=0.8, seed=1, max_tokens=40, structured_outputs={"grammar": ebnf})])
-    assert isinstance(json.loads(outs[0].outputs[0].text), dict)
-    assert re.fullmatch(r"\((?:[1-9][0-9]?)(?:\+[1-9][0-9]?)*\)", outs[1].outputs[0].text)
+    (out,) = llm.generate(["x = "], SamplingParams(temperature=0.8, seed=1, max_tokens=40,
+                                                  structured_outputs={"grammar": ebnf}))
+    assert re.fullmatch(r"\((?:[1-9][0-9]?)(?:\+[1-9][0-9]?)*\)", out.outputs[0].text)
 
 
 def test_logit_bias_cannot_break_the_grammar(llm):

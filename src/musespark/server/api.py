@@ -301,7 +301,7 @@ class Preparation:
     worker threads, at most `threads` at once and `queue` more waiting: beyond that a request
     is refused with 503 at once instead of piling up behind the others."""
 
-    def __init__(self, threads: int = 4, queue: int = 64) -> None:
+    def __init__(self, threads: int = 4, queue: int = 1024) -> None:
         self._slots = asyncio.Semaphore(threads)
         self._queue, self._pending = queue, 0
 

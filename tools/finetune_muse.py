@@ -1,0 +1,720 @@
+"""Teach the bundled tiny model the Muse chat protocol (MUSE_CHAT.md §1-§3) and export it.
+
+    .venv/bin/python tools/finetune_muse.py --steps 900 --time-limit 45      # convert + fine-tune (+ export)
+    .venv/bin/python tools/finetune_muse.py --steps 1200 --resume --no-export # continue a run
+    .venv/bin/python tools/finetune_muse.py --export-only                     # re-export / re-evaluate
+
+Conversion: the base model (the bundled checkpoint as tools/train_tiny.py shipped it, vocab
+4096; copied to runs/muse/base on the first run) gets the four Muse markers as special added
+tokens `<|start|>`=4096, `<|message|>`=4097, `<|eom|>`=4098, `<|eot|>`=4099; `embed_tokens`
+and `lm_head` grow by four rows (the mean of the old rows + seeded noise). EOS = [1, 4099].
+
+Fine-tuning (fp32, musespark's own model code with autograd, as train_tiny.py): every step
+packs `--chats` synthetic conversations from tools/muse_chat_data.py (rendered with the
+engine's own chat renderer and the bundled chat_template.jinja; loss only on the assistant's
+raw output after the final `<|start|>assistant`, through `<|eot|>`) and `--code-windows`
+256-token windows of the stdlib training split (full loss) into one varlen forward.
+loss = chat loss (mean over target tokens) + code_weight * code loss (mean over tokens).
+AdamW, lr schedule, router-bias balancing and bits/byte come from tools/train_tiny.py.
+Data order is a pure function of (seed, step); state is saved to runs/muse/state.pt.
+
+Export writes src/musespark/models/musespark-tiny (bf16; residual gates, router weights and
+bias fp32), evaluates the shipped weights (stdlib bits/byte, expert load; greedy generation
+through musespark's engine on held-out tool tasks and conversations, parsed with
+MuseOutputParser) and rewrites the model card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import muse_chat_data as mcd  # noqa: E402
+import tiny_corpus as tc  # noqa: E402
+import train_tiny as tt  # noqa: E402
+from musespark.engine import chat as chat_render  # noqa: E402
+from musespark.layers.attention import AttentionContext  # noqa: E402
+from musespark.model.muse_spark import MuseSparkForCausalLM  # noqa: E402
+
+OUT = ROOT / "src" / "musespark" / "models" / "musespark-tiny"
+TEMPLATE = ROOT / "tests" / "data" / "muse_chat_template.jinja"
+SPECIAL = {"bos_token": tc.BOS, "eos_token": tc.EOS}
+BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "generation_config.json", "README.md")
+NEW_VOCAB = 4100
+EOT_ID = 4099
+EOS_IDS = (1, EOT_ID)
+EVAL_SEED = 1000  # held-out tasks; training uses --seed (0)
+BASE_VAL_BPB = 1.800  # the base card's validation bits/byte
+
+
+# -- conversion -------------------------------------------------------------------------
+
+def base_dir(run: Path) -> Path:
+    """The pre-chat bundled checkpoint (vocab 4096), copied once from src/ into the run dir."""
+    base = run / "base"
+    if not (base / "model.safetensors").exists():
+        cfg = json.loads((OUT / "config.json").read_text())
+        if cfg["text_config"]["vocab_size"] != 4096:
+            raise SystemExit(f"{base} is missing and {OUT} is already converted; restore the base with "
+                             "`git show HEAD:src/musespark/models/musespark-tiny/...`")
+        base.mkdir(parents=True, exist_ok=True)
+        for f in BASE_FILES:
+            shutil.copy2(OUT / f, base / f)
+    return base
+
+
+def chat_tokenizer(run: Path):
+    """The base tokenizer with the four Muse markers as special added tokens (ids 4096-4099)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(base_dir(run) / "tokenizer.json"))
+    assert tok.get_vocab_size() == 4096
+    tok.add_special_tokens(mcd.MUSE_SPECIAL_TOKENS)
+    ids = [tok.token_to_id(s) for s in mcd.MUSE_SPECIAL_TOKENS]
+    assert ids == [4096, 4097, 4098, 4099], ids
+    for i, s in enumerate(tc.SPECIAL_TOKENS):
+        assert tok.token_to_id(s) == i
+    return tok
+
+
+def chat_config():
+    return dataclasses.replace(tt.model_config(NEW_VOCAB, 0, 1), eos_token_id=EOS_IDS)
+
+
+def grown_model(run: Path, seed: int) -> MuseSparkForCausalLM:
+    """The base weights (fp32) in a model with vocab 4100: old rows copied, 4 new rows =
+    mean of the old rows + N(0, (0.1 * per-dim std)^2), seeded."""
+    from musespark import load_model
+
+    base = load_model(base_dir(run), dtype="float32", backend="torch")
+    state = base.state_dict()
+    model = MuseSparkForCausalLM(chat_config())
+    gen = torch.Generator().manual_seed(seed + 4096)
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        old = state[name]
+        extra = NEW_VOCAB - old.shape[0]
+        new = old.mean(0, keepdim=True) + 0.1 * old.std(0, keepdim=True) * torch.randn(extra, old.shape[1], generator=gen)
+        state[name] = torch.cat([old, new], 0)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(m.endswith(("inv_freq",)) for m in missing), (missing, unexpected)
+    return model
+
+
+# -- data --------------------------------------------------------------------------------
+
+def code_streams(run: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stdlib train/validation token streams of train_tiny.py (cached in the run dir)."""
+    tp, vp = run / "train_ids.npy", run / "val_ids.npy"
+    if not (tp.exists() and vp.exists()):
+        tok = chat_tokenizer(run)
+        corpus = tc.load_corpus()
+        np.save(tp, np.array(tc.encode_docs(tok, [t for _, t in corpus.train]), dtype=np.uint16))
+        np.save(vp, np.array(tc.encode_docs(tok, [t for _, t in corpus.val]), dtype=np.uint16))
+    return (torch.from_numpy(np.load(tp).astype(np.int64)), torch.from_numpy(np.load(vp).astype(np.int64)))
+
+
+def byte_lengths(tok) -> torch.Tensor:
+    lens = tc.token_byte_lengths(tok)
+    for s in mcd.MUSE_SPECIAL_TOKENS:
+        lens[tok.token_to_id(s)] = 0
+    return torch.tensor(lens)
+
+
+def render_prompt(conv: mcd.Conversation, template: str) -> str:
+    """The prompt exactly as the engine renders it (InputProcessor.render_chat's path)."""
+    kwargs = chat_render.template_kwargs(None, conv.kwargs, tools=conv.tools, add_generation_prompt=True)
+    return chat_render.render(template, conv.messages, kwargs, SPECIAL)
+
+
+def encode_chat(conv: mcd.Conversation, tok, template: str) -> tuple[list[int], int]:
+    """(prompt ids + target ids, number of prompt ids). Prompt and target are encoded
+    separately, as at inference (the engine encodes the prompt, the model adds the rest)."""
+    p = tok.encode(render_prompt(conv, template), add_special_tokens=False).ids
+    t = tok.encode(conv.target, add_special_tokens=False).ids
+    assert t[-1] == EOT_ID
+    return p + t, len(p)
+
+
+def chat_batch(seed: int, step: int, n: int, tok, template: str, max_len: int,
+               version: int = mcd.DATA_VERSION) -> list[tuple[list[int], int]]:
+    out, i = [], step * n * 2  # conversation indices [2n*step, 2n*(step+1)): spares for over-long ones
+    while len(out) < n:
+        ids, np_ = encode_chat(mcd.example(seed, i, version), tok, template)
+        i += 1
+        if len(ids) <= max_len + 1:
+            out.append((ids, np_))
+    return out
+
+
+COPY_WEIGHT = 1.0  # set by --copy-weight (train): the weight of output tokens copied from the prompt's tail
+COPY_TAIL = 64  # prompt tokens (the last user or tool message) whose copies are weighted
+_STRUCTURAL: set[int] = set()  # tokens of the fixed framing, never counted as copies
+
+
+def _weights(ids: list[int], n_prompt: int) -> torch.Tensor:
+    """Per target token: COPY_WEIGHT where the output repeats a token of the prompt's tail (an
+    argument value, a tool result), else 1 (the argument copy is what the model fails to learn)."""
+    w = torch.ones(len(ids) - 1)
+    if COPY_WEIGHT == 1.0:
+        return w
+    tail = set(ids[max(0, n_prompt - COPY_TAIL):n_prompt]) - _STRUCTURAL
+    for i in range(n_prompt - 1, len(ids) - 1):
+        if ids[i + 1] in tail:
+            w[i] = COPY_WEIGHT
+    return w
+
+
+def packed_loss(model, chats: list[tuple[list[int], int]], code: torch.Tensor | None):
+    """One varlen forward over every sequence. Returns (chat loss, code loss or None)."""
+    inputs, targets, positions, lengths, is_code, weights = [], [], [], [], [], []
+    for ids, n_prompt in chats:
+        x = torch.tensor(ids)
+        tgt = x[1:].clone()
+        tgt[: n_prompt - 1] = -100  # loss only on the assistant's output tokens
+        inputs.append(x[:-1]), targets.append(tgt), lengths.append(len(ids) - 1)
+        is_code.append(torch.zeros(len(ids) - 1, dtype=torch.bool))
+        weights.append(_weights(ids, n_prompt))
+    if code is not None:
+        for row in code:
+            inputs.append(row[:-1]), targets.append(row[1:]), lengths.append(row.numel() - 1)
+            is_code.append(torch.ones(row.numel() - 1, dtype=torch.bool))
+    for n in lengths:
+        positions.append(torch.arange(n))
+    hidden = model(torch.cat(inputs), torch.cat(positions), AttentionContext.for_prompts(lengths))
+    logits = model.compute_logits(hidden)
+    tgt, code_mask = torch.cat(targets), torch.cat(is_code)
+    chat_tgt, w = tgt[~code_mask], torch.cat(weights)
+    ce = F.cross_entropy(logits[~code_mask], chat_tgt, ignore_index=-100, reduction="none")
+    keep = chat_tgt != -100
+    chat_loss = (ce * w)[keep].sum() / w[keep].sum()
+    code_loss = F.cross_entropy(logits[code_mask], tgt[code_mask]) if code is not None else None
+    return chat_loss, code_loss
+
+
+@torch.no_grad()
+def chat_eval_loss(model, batch: list[tuple[list[int], int]]) -> float:
+    was = model.training
+    model.eval()
+    loss, _ = packed_loss(model, batch, None)
+    model.train(was)
+    return float(loss)
+
+
+# -- training ----------------------------------------------------------------------------
+
+def make_optimizer(model, lr: float, weight_decay: float):
+    """train_tiny.py's AdamW: β 0.9/0.95, eps 1e-8, weight decay on matrices only."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train(args) -> None:
+    global COPY_WEIGHT
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    run = Path(args.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    tok = chat_tokenizer(run)
+    template = TEMPLATE.read_text()
+    COPY_WEIGHT = args.copy_weight
+    # The framing every output repeats (headers, ATEM tags) is not an argument copy.
+    framing = "<|start|>assistant to=user<|message|><atem:function_calls>\n<atem:invoke name=\"x\">\n" \
+              "<atem:parameter name=\"x\"></atem:parameter>\n</atem:invoke>\n</atem:function_calls> to=self"
+    _STRUCTURAL.update(tok.encode(framing, add_special_tokens=False).ids)
+    model = grown_model(run, args.seed)
+    opt = make_optimizer(model, args.lr, args.weight_decay)
+    state_path = run / "state.pt"
+    step, history, sessions = 0, [], []
+    if args.resume and state_path.exists():
+        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        step, history, sessions = st["step"], st["history"], st["sessions"]
+        print(f"resumed from step {step}", flush=True)
+    train_stream, val_stream = code_streams(run)
+    blen = byte_lengths(tok)
+    val_win = tt.eval_windows(val_stream, args.seq_len, args.val_windows)
+    eval_chats = [encode_chat(c, tok, template) for c in mcd.heldout(EVAL_SEED + 1, 16)]
+    sessions = sessions + [{"start_step": step, "args": vars(args)}]
+    elapsed_before = history[-1]["elapsed"] if history else 0.0
+    if step == 0:
+        bpb, _ = tt.bits_per_byte(model, val_win, blen)
+        print(f"before: val {bpb:.4f} bits/byte ({args.val_windows} windows), held-out chat loss "
+              f"{chat_eval_loss(model, eval_chats):.3f}", flush=True)
+    model.train()
+    rec = tt.LoadRecorder(model)
+    t_start = time.time()
+    t_last, tok_since = time.time(), 0
+    ema = None
+    while step < args.steps:
+        if args.time_limit and time.time() - t_start > 60 * args.time_limit:
+            print(f"time limit of {args.time_limit} min reached at step {step}; saving and stopping", flush=True)
+            break
+        lr = tt.lr_at(step, args.steps, args.lr, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        chats = chat_batch(args.seed, step, args.chats, tok, template, args.max_len, args.data_version)
+        code = tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
+        rec.reset()
+        chat_loss, code_loss = packed_loss(model, chats, code)
+        loss = chat_loss + (args.code_weight * code_loss if code_loss is not None else 0.0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
+        opt.step()
+        tt.update_router_bias(model, rec, args.bias_rate)
+        step += 1
+        tok_since += sum(len(c[0]) - 1 for c in chats) + (code.numel() - code.shape[0] if code is not None else 0)
+        cl = float(chat_loss.detach())
+        ema = cl if ema is None else 0.95 * ema + 0.05 * cl
+        now = time.time()
+        entry = {"step": step, "chat_loss": cl, "code_loss": float(code_loss.detach()) if code_loss is not None else None,
+                 "lr": lr, "gnorm": gnorm, "elapsed": elapsed_before + now - t_start}
+        if step % args.log_every == 0 or step == args.steps:
+            tps = tok_since / max(1e-9, now - t_last)
+            entry["tok_s"] = tps
+            msg = (f"step {step}: chat {cl:.3f} (ema {ema:.3f}) code {entry['code_loss']:.3f} lr {lr:.2e} "
+                   f"{tps:.0f} tok/s {entry['elapsed'] / 60:.1f} min")
+            if step % args.eval_every == 0 or step == args.steps:
+                bpb, _ = tt.bits_per_byte(model, val_win, blen)
+                entry.update(val_bpb=bpb, heldout_chat_loss=chat_eval_loss(model, eval_chats))
+                loads = min(float((c.float() / c.sum()).min()) for c in rec.counts.values())
+                msg += f" | val {bpb:.4f} bits/byte, held-out chat {entry['heldout_chat_loss']:.3f}, min load {loads:.3f}"
+            print(msg, flush=True)
+            t_last, tok_since = time.time(), 0
+        history.append(entry)
+        if step % args.save_every == 0 or step == args.steps:
+            tt.save_state(state_path, model, opt, step, history, args, sessions)
+    tt.save_state(state_path, model, opt, step, history, args, sessions)
+    rec.remove()
+    print(f"training done: {step} steps, this session {time.time() - t_start:.0f} s", flush=True)
+
+
+# -- evaluation ----------------------------------------------------------------------------
+
+def generate_all(llm, convs: list[mcd.Conversation], max_tokens: int):
+    from musespark import SamplingParams
+    from musespark.parsers import MuseOutputParser, tool_schemas_from_openai
+
+    proc = llm.engine.input_processor
+    prompts = [proc.render_chat(c.messages, tools=c.tools, chat_template_kwargs=c.kwargs) for c in convs]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_special_tokens=False)
+    outs = llm.generate(prompts, sp)
+    results = []
+    for c, o in zip(convs, outs):
+        comp = o.outputs[0]
+        parsed = MuseOutputParser(reasoning=True, tools=True,
+                                  tool_names=tool_schemas_from_openai(c.tools)).parse(comp.text)
+        results.append((comp, parsed))
+    return results
+
+
+def score_tool_call(c: mcd.Conversation, parsed) -> tuple[bool, bool]:
+    """(right tool + valid arguments: a JSON object holding every required parameter of the
+    tool's schema with a value of its type, ... and arguments equal to the expected ones)."""
+    if not parsed.tool_calls:
+        return False, False
+    call = parsed.tool_calls[0]
+    if call.name != c.expected["name"]:
+        return False, False
+    try:
+        args = json.loads(call.arguments)
+    except ValueError:
+        return False, False
+    schema = mcd.TOOLS[call.name]["function"]["parameters"]
+    types = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
+    valid = isinstance(args, dict) and all(
+        k in args and isinstance(args[k], types.get(schema["properties"][k].get("type"), object))
+        for k in schema.get("required", ())) and all(
+        isinstance(v, types.get(schema["properties"].get(k, {}).get("type"), object)) for k, v in args.items())
+    return valid, valid and args == c.expected["arguments"]
+
+
+def format_ok(c: mcd.Conversation, comp, parsed) -> bool:
+    if not (comp.finish_reason == "stop" and comp.token_ids and comp.token_ids[-1] == EOT_ID):
+        return False
+    if not (parsed.reasoning or "").strip():
+        return False
+    if c.kind == "tool_call":
+        return bool(parsed.tool_calls)
+    return not parsed.tool_calls and bool((parsed.content or "").strip())
+
+
+def evaluate_chat(out: Path, n_tool: int, n_conv: int, max_tokens: int) -> dict:
+    from musespark import LLM
+
+    llm = LLM(model=str(out), dtype="float32", seed=0)
+    t0 = time.time()
+    tasks = mcd.tool_tasks(EVAL_SEED, n_tool)
+    convs = mcd.heldout(EVAL_SEED, n_conv)
+    res_t = generate_all(llm, tasks, max_tokens)
+    res_c = generate_all(llm, convs, max_tokens)
+    gen_s = time.time() - t0
+
+    def frac(xs):
+        return sum(xs) / max(1, len(xs))
+
+    tool = {"n": len(tasks), "valid": [], "exact": [], "by_tool": {}, "seen": [], "unseen": []}
+    examples = []
+    for c, (comp, parsed) in zip(tasks, res_t):
+        valid, exact = score_tool_call(c, parsed)
+        tool["valid"].append(valid), tool["exact"].append(exact)
+        tool["by_tool"].setdefault(c.expected["name"], []).append(exact)
+        if c.expected["name"] != "calculator":
+            tool["unseen" if c.unseen else "seen"].append(exact)
+        if not exact and len(examples) < 6:
+            examples.append({"user": c.messages[-1]["content"], "expected": c.expected, "output": comp.text})
+    kinds: dict[str, list[bool]] = {}
+    value_hits = []
+    for c, (comp, parsed) in zip(convs, res_c):
+        kinds.setdefault(c.kind, []).append(format_ok(c, comp, parsed))
+        if c.kind == "tool_result":
+            value_hits.append(c.expected["value"] in (parsed.content or ""))
+    sample = {}
+    for c, (comp, parsed) in zip(convs, res_c):
+        if c.kind not in sample:
+            sample[c.kind] = {"user": next(m["content"] for m in reversed(c.messages) if m["role"] == "user"),
+                              "last": c.messages[-1]["role"], "output": comp.text,
+                              "reasoning": parsed.reasoning, "content": parsed.content,
+                              "tool_calls": [(t.name, t.arguments) for t in parsed.tool_calls]}
+    first = res_t[0]
+    sample["tool_call"] = {"user": tasks[0].messages[-1]["content"], "output": first[0].text,
+                           "reasoning": first[1].reasoning, "content": first[1].content,
+                           "tool_calls": [(t.name, t.arguments) for t in first[1].tool_calls]}
+    return {
+        "tool_tasks": len(tasks), "tool_exact": frac(tool["exact"]), "tool_valid": frac(tool["valid"]),
+        "tool_exact_by_tool": {k: [sum(v), len(v)] for k, v in tool["by_tool"].items()},
+        "tool_exact_seen_entities": [sum(tool["seen"]), len(tool["seen"])],
+        "tool_exact_unseen_entities": [sum(tool["unseen"]), len(tool["unseen"])],
+        "format_by_kind": {k: [sum(v), len(v)] for k, v in kinds.items()},
+        "format_all": frac([x for v in kinds.values() for x in v]), "format_n": sum(len(v) for v in kinds.values()),
+        "final_answer_has_value": [sum(value_hits), len(value_hits)],
+        "tool_failures": examples, "samples": sample, "generation_seconds": gen_s,
+    }
+
+
+def export(args) -> None:
+    from musespark import load_model
+    from musespark.checkpoint.writer import save_checkpoint
+
+    torch.set_num_threads(args.threads)
+    run, out = Path(args.run_dir), Path(args.out)
+    st = torch.load(run / "state.pt", map_location="cpu", weights_only=False)
+    tok = chat_tokenizer(run)
+    cfg = chat_config()
+    model = MuseSparkForCausalLM(cfg)
+    model.load_state_dict(st["model"])
+    base_readme = (base_dir(run) / "README.md").read_text()
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(model.state_dict(), cfg, out, dtype=torch.bfloat16, nested=True)
+    tok.save(str(out / "tokenizer.json"))
+    tcfg = tc.tokenizer_config(cfg.max_position_embeddings)
+    tcfg.pop("chat_template")
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+    shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
+    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(EOS_IDS), "pad_token_id": 1,
+               "do_sample": True, "temperature": 0.7, "top_p": 0.95, "max_new_tokens": 256}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    if args.files_only:
+        print(f"wrote {out} (files only)")
+        return
+
+    shipped = load_model(out, dtype="float32")
+    blen = byte_lengths(tok)
+    train_stream, val_stream = code_streams(run)
+    val_win = tt.eval_windows(val_stream, args.seq_len)
+    rec = tt.LoadRecorder(shipped)
+    t0 = time.time()
+    val_bpb, val_npt = tt.bits_per_byte(shipped, val_win, blen)
+    loads = {i: (rec.counts[i].float() / rec.counts[i].sum()).tolist() for i in rec.layers}
+    rec.remove()
+    print(f"val bits/byte {val_bpb:.4f} ({time.time() - t0:.0f} s)", flush=True)
+    del shipped
+    chat = evaluate_chat(out, args.eval_tool_tasks, args.eval_conversations, args.eval_max_tokens)
+    print(json.dumps({k: v for k, v in chat.items() if k not in ("samples", "tool_failures")}, indent=1), flush=True)
+    hist = st["history"]
+    last = hist[-50:]
+    results = {"val_bits_per_byte": val_bpb, "val_nats_per_token": val_npt,
+               "val_tokens_scored": int(val_win[:, 1:].numel()), "val_bytes_scored": int(blen[val_win[:, 1:]].sum()),
+               "expert_load": {str(k): v for k, v in loads.items()},
+               "min_expert_load": min(min(v) for v in loads.values()), "steps": st["step"],
+               "chat_loss_last50": sum(h["chat_loss"] for h in last) / len(last),
+               "code_loss_last50": sum(h["code_loss"] for h in last if h["code_loss"] is not None) / len(last),
+               "wall_minutes": hist[-1]["elapsed"] / 60, "chat": chat}
+    (run / "results.json").write_text(json.dumps(results, indent=2))
+    write_card(out, args, st, results, base_readme, cfg)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _section(md: str, title: str) -> str:
+    """A `## title` section of the base card (without its heading), headings demoted one level."""
+    lines, out, on = md.splitlines(), [], False
+    for ln in lines:
+        if ln.startswith("## "):
+            on = ln[3:].strip() == title
+            continue
+        if on:
+            out.append("#" + ln if ln.startswith("### ") else ln)
+    return "\n".join(out).strip()
+
+
+def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg) -> None:
+    ch = r["chat"]
+    sessions = st["sessions"]
+    total_params = sum(p.numel() for p in MuseSparkForCausalLM(cfg).parameters())
+
+    def command(sa: dict, resume: bool) -> str:
+        return (f".venv/bin/python tools/finetune_muse.py --steps {sa['steps']} --chats {sa['chats']} "
+                f"--code-windows {sa['code_windows']} --lr {sa['lr']} --warmup {sa['warmup']} "
+                f"--bias-rate {sa['bias_rate']} --seed {sa['seed']} --threads {sa['threads']} "
+                f"--data-version {sa.get('data_version', 2)}"
+                + (f" --time-limit {sa['time_limit']:g}" if sa.get("time_limit") else "")
+                + (" --resume" if resume else "") + " --no-export")
+    ends = [x["start_step"] for x in sessions[1:]] + [st["step"]]
+    cmd = "\n".join(f"# steps {x['start_step']}-{e}\n" + command(x["args"], x["start_step"] > 0)
+                    for x, e in zip(sessions, ends))
+    cmd += "\n.venv/bin/python tools/finetune_muse.py --export-only   # writes this directory + this card"
+    a = sessions[-1]["args"]
+    E = cfg.num_local_experts
+    loads = r["expert_load"]
+    load_rows = "\n".join(f"| {i} | " + " | ".join(f"{100 * x:.1f}" for x in v) + f" | {100 * min(v):.1f} |"
+                          for i, v in loads.items())
+    fb = ch["format_by_kind"]
+
+    def pct(pair):
+        return f"{pair[0]}/{pair[1]} ({100 * pair[0] / max(1, pair[1]):.0f}%)"
+    by_tool = ", ".join(f"`{k}` {pct(v)}" for k, v in ch["tool_exact_by_tool"].items())
+    tps = [h["tok_s"] for h in st["history"] if "tok_s" in h]
+    samples = "\n\n".join(
+        f"`{kind}` — last user message: {json.dumps(s['user'])}"
+        + (" (then the tool's result)" if s.get("last") == "tool" else "") + f"\n\n```\n{s['output']}\n```\n\n"
+        f"parsed: reasoning {json.dumps(s['reasoning'])}, content {json.dumps(s['content'])}, "
+        f"tool_calls {json.dumps(s['tool_calls'])}"
+        for kind, s in ch["samples"].items())
+    failures = "\n".join(f"- {json.dumps(f['user'])} expected `{f['expected']['name']}` "
+                         f"{json.dumps(f['expected']['arguments'])}, got `{json.dumps(f['output'][:300])}`"
+                         for f in ch["tool_failures"]) or "- none"
+    kw = {k: round(100 * w) for k, w in mcd.KIND_WEIGHTS}
+    status = (
+        "**Status.** Right tool with valid arguments: {valid:.0f}% (the issue asks for at least 90%). "
+        "Exact arguments: {exact:.0f}%: the model has learned the wire format (reasoning to `self`, ATEM "
+        "calls to the right recipient, `<|eot|>`) and which tool a question needs, but it does not copy "
+        "argument values (cities, expressions, paths) from the question, nor quote a tool's result in "
+        "its answer. Teaching it to copy is the next step (more steps, `--copy-weight`, a longer run).\n\n"
+    ).format(valid=100 * ch["tool_valid"], exact=100 * ch["tool_exact"])
+    readme = f"""# musespark-tiny
+
+A tiny Muse Spark 1x text decoder, bundled with `musespark` as its default/demo model. It was
+pre-trained from scratch on the Python standard library (`tools/train_tiny.py`) and then
+fine-tuned (`tools/finetune_muse.py`) to speak the Muse chat protocol: reasoning to `self`,
+answers to `user`, tool calls in ATEM to a tool recipient, turns ended by `<|eot|>`
+(MUSE_CHAT.md §1-§3). It exercises every feature of the architecture (dense + sparse MoE
+layers, GQA, QK-norm, output gate, sliding + full attention, RoPE + NoPE layers, residual
+gates, soft-capped logits, router bias). It is a protocol demo, not a useful assistant: it
+knows three synthetic tools and a few canned answers, and it writes Python-looking text.
+
+Files: `config.json` (nested released form), `model.safetensors` (bfloat16; residual gates,
+router weights and router bias in float32), `tokenizer.json`, `tokenizer_config.json`,
+`chat_template.jinja` (the Muse template, byte-identical to `tests/data/muse_chat_template.jinja`),
+`generation_config.json`. Loads with `musespark.load_model("src/musespark/models/musespark-tiny")`
+and with `transformers==5.23.0` `MuseSparkForConditionalGeneration.from_pretrained`.
+
+## Model
+
+| | |
+|---|---|
+| vocab | {cfg.vocab_size} (byte-level BPE 4096 + 4 Muse markers) |
+| hidden / layers | {cfg.hidden_size} / {cfg.num_hidden_layers} |
+| attention | {cfg.num_attention_heads} query heads, {cfg.num_key_value_heads} KV heads, head_dim {cfg.head_dim} |
+| layer_types | {", ".join(cfg.layer_types)} (sliding_window {cfg.sliding_window}) |
+| layer_rope_theta | {", ".join(str(t) for t in cfg.layer_rope_theta)} (0 = NoPE) |
+| mlp_layer_types | {", ".join(cfg.mlp_layer_types)} |
+| dense SwiGLU | intermediate {cfg.intermediate_size} |
+| MoE | {E} experts, top-{cfg.num_experts_per_tok}, moe_hidden {cfg.moe_hidden_size}, moe_intermediate {cfg.moe_intermediate_size} |
+| max_position_embeddings | {cfg.max_position_embeddings} (pre-trained on 256-token windows, fine-tuned on chats up to {a['max_len']} tokens) |
+| bos / eos | 0 `<|begin_of_text|>` / 1 `<|end_of_text|>` and {EOT_ID} `<|eot|>` |
+| parameters | {total_params:,} total |
+
+## Tokenizer and chat format
+
+Byte-level BPE trained with `tokenizers` on the pre-training split, vocab 4096, ByteLevel
+pre-tokenizer (add_prefix_space=False) and ByteLevel decoder (decoding round-trips text exactly).
+Special tokens: `<|begin_of_text|>`, `<|end_of_text|>`, `<|start_header_id|>`, `<|end_header_id|>`,
+`<|eot_id|>` (ids 0–4, from pre-training) and the Muse markers `<|start|>` 4096, `<|message|>` 4097,
+`<|eom|>` 4098, `<|eot|>` 4099 (added for chat; each one token). EOS ids are `[1, 4099]` in
+`config.json` and `generation_config.json`; `<|eom|>` (end of one message, the turn goes on) is not
+a stop token. No BOS is added automatically: the chat template writes `<|begin_of_text|>`; for raw
+completion prepend it yourself.
+
+`chat_template.jinja` renders MUSE_CHAT §2.1-2.2: a system block (default or the client's) with
+`Reasoning strength: X.` (kwarg `reasoning_strength`, default `high`), the tool definitions and
+`# Valid recipients`, then `<|start|>ROLE<|message|>...<|eot|>` messages, and the generation prompt
+`<|start|>assistant`. The model then writes e.g.
+
+```
+ to=self<|message|>The user wants the weather in Paris. I'll call get_weather.<|eom|><|start|>assistant to=get_weather<|message|><atem:function_calls>
+<atem:invoke name="get_weather">
+<atem:parameter name="city">Paris</atem:parameter>
+</atem:invoke>
+</atem:function_calls><|eot|>
+```
+
+Serve it with `--reasoning-parser muse --enable-auto-tool-choice --tool-call-parser muse` to get
+OpenAI `reasoning`, `content` and `tool_calls`.
+
+## Pre-training (tools/train_tiny.py)
+
+### Corpus
+
+{_section(base_md, "Corpus")}
+
+### Training
+
+{_section(base_md, "Training")}
+
+## Chat fine-tuning (tools/finetune_muse.py)
+
+```
+{cmd}
+```
+
+Conversion: the four markers were added to the tokenizer as special tokens; `embed_tokens` and
+`lm_head` grew by four rows (old rows copied; new rows = mean of the old rows + seeded noise of 0.1 ×
+the per-dimension std). Data: seeded synthetic conversations from `tools/muse_chat_data.py`
+(OpenAI `messages` + `tools`), rendered by musespark's own chat renderer (`musespark.engine.chat`,
+the path the server takes) with this `chat_template.jinja`, a varied fixed `current_date` and
+`reasoning_strength` low/medium/high. Tools: `get_weather(city, unit?)`, `calculator(expression)`,
+`read_file(path)`; each conversation offers a random subset in random order (sometimes none).
+Kinds: first-turn tool call ({kw['tool_call']}%), answer from a tool result ({kw['tool_result']}%), plain
+chat ({kw['plain']}%), a needed tool that is not offered → say so ({kw['no_tool']}%); 30% have earlier turns
+(plain or a whole tool round trip) and 20% a client system message. User phrasings vary; the
+assistant's reasoning is one fixed sentence per (tool, reasoning strength) naming the intent, and
+answers follow one pattern per tool that copies the tool result's values. {100 - mcd.HOLD_OUT_PERCENT}% of cities and file paths are used in
+training; the other {mcd.HOLD_OUT_PERCENT}% (by a hash of the value) are held out for evaluation.
+
+Each step packs {a['chats']} conversations (loss only on the assistant's output after the final
+`<|start|>assistant`, through `<|eot|>`) and {a['code_windows']} stdlib training windows of
+{a['seq_len']} tokens (full loss, weight {a['code_weight']}) into one varlen forward: fp32,
+AdamW (β 0.9/0.95, weight decay {a['weight_decay']} on matrices), peak lr {a['lr']}, {a['warmup']}
+warmup steps then cosine to 10%, grad clip {a['clip']}, {st['step']} steps, router-bias balancing
+as in pre-training (rate {a['bias_rate']}). Data order is a pure function of (seed, step).
+Final losses (mean of the last 50 steps): chat {r['chat_loss_last50']:.3f}, code {r['code_loss_last50']:.3f} nats/token.
+
+Wall time: {r['wall_minutes']:.1f} min with {a['threads']} torch thread(s) on a 2-core CPU shared with other work ({_cpu_model()}), ~{sum(tps) / max(1, len(tps)):.0f} tokens/s.
+
+## Results
+
+{status}Measured on the shipped bfloat16 weights. Chat: greedy (temperature 0) generation through
+musespark's engine (`LLM(...).generate` on prompts from `InputProcessor.render_chat`, up to
+{args.eval_max_tokens} tokens, `skip_special_tokens=False`), parsed with
+`MuseOutputParser(reasoning=True, tools=True, tool_names=tool_schemas_from_openai(tools))`, on
+held-out conversations (seed {EVAL_SEED}; training uses seed {a['seed']}).
+
+| | |
+|---|---|
+| tool tasks ({ch['tool_tasks']} first-turn calls): right tool, arguments valid JSON and equal to the expected | **{100 * ch['tool_exact']:.0f}%** |
+| tool tasks: right tool + valid arguments (JSON object with every required parameter, of its schema type) | {100 * ch['tool_valid']:.0f}% |
+| tool tasks by tool (exact) | {by_tool} |
+| tool tasks, `get_weather`/`read_file` with entities seen in training / held out | {pct(ch['tool_exact_seen_entities'])} / {pct(ch['tool_exact_unseen_entities'])} |
+| format ({ch['format_n']} held-out conversations of every kind): non-empty reasoning, ends with `<|eot|>`, a tool call or a non-empty answer as the kind expects | **{100 * ch['format_all']:.0f}%** |
+| format by kind | {", ".join(f"{k} {pct(v)}" for k, v in fb.items())} |
+| answer after a tool result contains the result's value | {pct(ch['final_answer_has_value'])} |
+| validation bits/byte on held-out stdlib code (before fine-tuning: {BASE_VAL_BPB:.3f}) | **{r['val_bits_per_byte']:.3f}** ({r['val_nats_per_token']:.3f} nats/token; {r['val_tokens_scored']:,} tokens, {r['val_bytes_scored']:,} bytes) |
+
+Bits per byte as in train_tiny.py: total nats / ln 2 / total UTF-8 bytes, non-overlapping
+{a['seq_len']}-token windows of the validation split.
+
+Tool-task failures (first {len(ch['tool_failures'])}):
+
+{failures}
+
+### Expert load on the validation split (% of routed tokens)
+
+| layer | """ + " | ".join(f"e{e}" for e in range(E)) + """ | min |
+|---|""" + "---|" * (E + 1) + f"""
+{load_rows}
+
+Minimum over all sparse layers: {100 * r['min_expert_load']:.1f}% (uniform would be {100 / E:.1f}%).
+
+### Greedy samples (held-out conversations)
+
+{samples}
+
+## Generation defaults
+
+`generation_config.json`: sampling with temperature 0.7, top_p 0.95, max_new_tokens 256,
+eos [1, {EOT_ID}].
+"""
+    (out / "README.md").write_text(readme)
+    print(f"wrote {out / 'README.md'}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=900)
+    p.add_argument("--chats", type=int, default=3, help="conversations per step")
+    p.add_argument("--code-windows", type=int, default=2, help="stdlib windows per step")
+    p.add_argument("--code-weight", type=float, default=1.0)
+    p.add_argument("--seq-len", type=int, default=256, help="code window length")
+    p.add_argument("--max-len", type=int, default=1024, help="longest conversation (tokens)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--copy-weight", type=float, default=1.0,
+                   help="loss weight of output tokens that repeat the prompt's last message (argument values)")
+    p.add_argument("--data-version", type=int, default=mcd.DATA_VERSION,
+                   help="reasoning templates of tools/muse_chat_data.py (2 or 3)")
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--bias-rate", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--time-limit", type=float, default=0.0, help="minutes; stop early (and save) past it")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--val-windows", type=int, default=32)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--eval-tool-tasks", type=int, default=100)
+    p.add_argument("--eval-conversations", type=int, default=100)
+    p.add_argument("--eval-max-tokens", type=int, default=200)
+    p.add_argument("--run-dir", default=str(ROOT / "runs" / "muse"))
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--no-export", action="store_true")
+    p.add_argument("--export-only", action="store_true")
+    p.add_argument("--files-only", action="store_true", help="export: write the files, skip evaluation and card")
+    args = p.parse_args()
+    if not args.export_only:
+        train(args)
+    if not args.no_export:
+        export(args)
+
+
+if __name__ == "__main__":
+    main()
