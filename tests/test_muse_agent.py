@@ -169,6 +169,22 @@ async def _run_all(make_client, stream: bool) -> list[tuple[str, str, str]]:
         return await asyncio.gather(*(one(i) for i in range(len(SCHEMAS))))
 
 
+@pytest.fixture(scope="module")
+def plain_aclient(tmp_path_factory):
+    """A server without the parsers: the grammar constrains the output from its first token."""
+    srv = ServerProcess(tmp_path_factory.mktemp("plain") / "server.log", "--max-model-len", "2048")
+    yield lambda: openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=300)
+    srv.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schemas_validate_with_reasoning_off(plain_aclient, stream):
+    results = asyncio.run(_run_all(plain_aclient, stream))
+    for schema, (reasoning, content, finish) in zip(SCHEMAS, results):
+        assert finish == "stop" and not reasoning, content
+        jsonschema.validate(json.loads(content), schema)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schemas_validate_with_reasoning_on(aclient, stream):
     results = asyncio.run(_run_all(aclient, stream))
