@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from musespark import LLM, SamplingParams
-from test_server import ServerProcess
+from test_server import ServerProcess, metrics
 
 SHARED = "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path, name=None):\n        self.path = path\n"
 PROMPTS = [SHARED + "        self.name", "def fibonacci(n):", SHARED + "\n    def load(self):\n", "x = [",
@@ -55,12 +55,17 @@ def test_llm_parallel_matches_one_process(one_process, tp, pp, ep):
 
 
 def test_serve_tp2_and_a_dead_worker(tmp_path, one_process):
-    srv = ServerProcess(tmp_path / "tp.log", "-tp", "2", "--dtype", "float32")
+    # The same engine settings as `run` (half the per-rank KV budget: the same blocks), so the
+    # server schedules as one process does: prefix hits and preemptions included.
+    srv = ServerProcess(tmp_path / "tp.log", "-tp", "2", "--dtype", "float32", "--max-num-seqs", "6",
+                        "--kv-cache-memory", str(ENGINE["kv_cache_memory"] // 2), "--block-size", "16")
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-        got = client.completions.create(model="musespark-tiny", prompt=PROMPTS[1], max_tokens=48, temperature=0,
+        got = client.completions.create(model="musespark-tiny", prompt=PROMPTS, max_tokens=48, temperature=0,
                                         extra_body={"ignore_eos": True})
-        assert got.choices[0].text == one_process[0][1]
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == one_process[0]
+        m = metrics(srv.url)
+        assert m["vllm:prefix_cache_hits_total"] > 0 and m["vllm:num_preemptions_total"] > 0
         children = psutil.Process(srv.proc.pid).children(recursive=True)  # the worker and spawn's resource tracker
         workers = [p for p in children if "spawn_main" in " ".join(p.cmdline())]
         assert len(workers) == 1
