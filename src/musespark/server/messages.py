@@ -24,7 +24,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, Valid
 from ..engine.outputs import RequestOutput
 from .async_engine import EngineDeadError
 from .protocol import ChatCompletionRequest, TokenizeRequest, _Request
-from .responses import Block, Event, TurnBlocks
+from .responses import Block, Event, TurnBlocks, run_into_blocks
 from .serving import APIError, Job, Serving
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -237,16 +237,7 @@ class Turn:
                 "usage": {"input_tokens": self.n_prompt, "output_tokens": n_out}}
 
     async def response(self) -> dict[str, Any]:
-        last = None
-        gen = self.serving.run(self.jobs)
-        try:
-            async for _, out in gen:
-                last = out
-                self.blocks.feed(out.outputs[0])
-        finally:
-            await gen.aclose()
-        self.blocks.close()
-        assert last is not None
+        last = await run_into_blocks(self.serving, self.jobs, self.blocks)
         return self.head([content_block(b) for b in self.blocks.blocks], self.stop(last),
                          len(last.outputs[0].token_ids))
 

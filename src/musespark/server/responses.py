@@ -54,6 +54,22 @@ class Block:
 Event = tuple[str, Block, str]  # ("open" | "delta" | "close", block, delta text)
 
 
+async def run_into_blocks(serving: Serving, jobs: list[Job], blocks: "TurnBlocks") -> RequestOutput:
+    """Run one turn's job to the end, feeding each step's parsed output into `blocks`; the
+    final output (the non-streamed Responses and Messages replies are built from it)."""
+    last = None
+    gen = serving.run(jobs)
+    try:
+        async for _, out in gen:
+            last = out
+            blocks.feed(out.outputs[0])
+    finally:
+        await gen.aclose()
+    blocks.close()
+    assert last is not None
+    return last
+
+
 class TurnBlocks:
     """Cuts one sequence's per-step output into consecutive blocks: `feed(step)` returns the
     ("open", block), ("delta", block, text) and ("close", block) events it causes, `close()`
@@ -379,17 +395,7 @@ class Turn:
         return body
 
     async def response(self) -> dict[str, Any]:
-        last = None
-        gen = self.serving.run(self.jobs)
-        try:
-            async for _, out in gen:
-                last = out
-                self.blocks.feed(out.outputs[0])
-        finally:
-            await gen.aclose()
-        self.blocks.close()
-        assert last is not None
-        return self.finish(last)
+        return self.finish(await run_into_blocks(self.serving, self.jobs, self.blocks))
 
     # -- streaming -----------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> str:
