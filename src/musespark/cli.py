@@ -113,9 +113,8 @@ class _ChatPrinter:
             self._label("answer")
             print(delta.content, end="", flush=True)
         for call in delta.tool_calls:
-            if call.name is not None:
-                self.section = None
-                self._label(f"tool call {call.name}")
+            if call.name is not None:  # a new call: always its own labelled line
+                self._label(f"tool call {call.name} #{call.index}")
             print(call.arguments, end="", flush=True)
 
 
