@@ -29,10 +29,9 @@ import torch
 
 import musespark
 from musespark.bench.common import print_json
-from musespark.bench.presets import CACHE_ENV, make_checkpoint
+from musespark.bench.presets import CACHE_ENV, make_checkpoint, nvfp4_checkpoint
 from musespark.layers.attention import AttentionContext, KVGroup
 from musespark.layers.moe import Experts
-from musespark.quant.quantize import quantize_checkpoint
 
 BLOCK = 16
 
@@ -92,21 +91,6 @@ def decode_rate(model, prompt_len: int, tokens: int, seed: int) -> float:
     return 1.0 / statistics.median(steps)
 
 
-def with_tokenizer(src: Path, dst: Path) -> Path:
-    """`src` (a random checkpoint: no tokenizer) plus the bundled tokenizer, for the quantizer's
-    calibration prompts (their ids lie inside any preset's vocabulary): links, no copies."""
-    from musespark.engine.args import bundled_model_path
-
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if not (dst / f.name).exists():
-            (dst / f.name).symlink_to(f.resolve())
-    tok = bundled_model_path() / "tokenizer.json"
-    if not (dst / tok.name).exists():
-        (dst / tok.name).symlink_to(tok)
-    return dst
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="bench-small")
@@ -124,12 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     cache = Path(args.cache_dir or os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "musespark-bench")
     src = make_checkpoint(args.preset, "bfloat16", cache, seed=args.seed)
     paths = {"bf16": src}
-    calib = with_tokenizer(src, cache / f"{src.name}-calibration")
     for scope in ("linear", "experts"):
-        dst = cache / f"{src.name}-nvfp4-{scope}"
-        if not (dst / "config.json").is_file():
-            quantize_checkpoint(calib, dst, scope=scope, calibration_prompts=2, log=lambda *a, **k: None)
-        paths[f"nvfp4-{scope}"] = dst
+        paths[f"nvfp4-{scope}"] = nvfp4_checkpoint(src, scope, cache)
 
     bandwidth = memory_bandwidth()
     rows = {}

@@ -66,6 +66,16 @@ def test_bench_latency(cache):
         assert positive(out[key]["p50"], out[key]["p90"], out[key]["p99"]), key
 
 
+def test_bench_latency_quantizes_a_preset_to_nvfp4(cache):
+    out = run_json(["-m", "musespark", "bench", "latency", "--preset", "bench-tiny", "--quantization", "nvfp4",
+                    "--nvfp4-scope", "experts", "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+                    "--num-iters", "1", "--num-iters-warmup", "1"], cache)
+    path = Path(out["model"])
+    assert path.name.endswith("-nvfp4-experts") and (path / "hf_quant_config.json").is_file()
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["quant_algo"] == "NVFP4"
+    assert positive(out["avg_latency_s"])
+
+
 def test_bench_throughput(cache):
     out = run_json(["-m", "musespark", "bench", "throughput", "--dtype", "float32", "--num-prompts", "6",
                     "--input-len", "4,24", "--output-len", "2,6", "--num-iters-warmup", "0"], cache)

@@ -10,8 +10,8 @@ import argparse
 import random
 from typing import Any
 
-from ..engine.args import EngineArgs
-from .presets import PRESETS, resolve_model
+from ..engine.args import EngineArgs, default_model_path
+from .presets import PRESETS, nvfp4_checkpoint, resolve_model
 
 BENCH_DEFAULTS = {"max_num_seqs": 256, "enable_prefix_caching": False}
 
@@ -23,6 +23,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="where preset checkpoints are kept "
                    "(default: $MUSESPARK_BENCH_CACHE or ~/.cache/musespark/bench)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--quantization", default=None, choices=["nvfp4"],
+                   help="quantize the model (a preset or --model) on the fly, cached: NVFP4 (musespark quantize)")
+    p.add_argument("--nvfp4-scope", default="linear", choices=["linear", "experts"],
+                   help="with --quantization nvfp4: every linear but the head, or the experts (Muse's choice)")
 
 
 def build_llm(args: argparse.Namespace, needed_len: int):
@@ -36,6 +40,9 @@ def build_llm(args: argparse.Namespace, needed_len: int):
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     path = resolve_model(args.model, args.preset, args.dtype, args.cache_dir, seed=0)
+    if getattr(args, "quantization", None) == "nvfp4":
+        path = nvfp4_checkpoint(path if path is not None else default_model_path(), args.nvfp4_scope,
+                                args.cache_dir)
     engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), model=path,
                                       max_model_len=args.max_model_len or max(needed_len + 1, 64))
     llm = LLM(**vars(engine_args))

@@ -188,3 +188,25 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def nvfp4_checkpoint(src: str | Path, scope: str = "linear", cache_dir: str | Path | None = None) -> Path:
+    """`src` quantized to NVFP4 (`musespark quantize --format nvfp4 --scope SCOPE`), made once
+    and cached next to it (or in `cache_dir`). A random preset (no tokenizer) is calibrated on
+    seeded random token ids."""
+    from ..quant.quantize import quantize_checkpoint
+
+    src = Path(src)
+    root = Path(cache_dir) if cache_dir is not None else src.parent
+    dst = root / f"{src.name}-nvfp4-{scope}"
+    if (dst / "config.json").is_file():
+        return dst
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=root))
+    try:
+        shutil.rmtree(tmp)
+        quantize_checkpoint(src, tmp, scope=scope, calibration_prompts=2, log=lambda *a, **k: None)
+        os.replace(tmp, dst)  # atomic, as make_checkpoint
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst

@@ -236,10 +236,15 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scope: str = "experts"
         if any(k % BLOCK for k in ks):
             raise ValueError(f"{name}: input width {ks} is not a multiple of {BLOCK}; NVFP4 cannot store it")
 
-    tok = Tokenizer.from_dir(src)
     bos = [cfg.bos_token_id] if cfg.bos_token_id is not None else []
-    texts = calibration_texts(calibration_prompts, calibration_file)
-    prompts = [(bos + tok.encode(t, add_special_tokens=False))[:MAX_PROMPT_TOKENS] for t in texts]
+    if (src / "tokenizer.json").is_file():
+        tok = Tokenizer.from_dir(src)
+        texts = calibration_texts(calibration_prompts, calibration_file)
+        prompts = [(bos + tok.encode(t, add_special_tokens=False))[:MAX_PROMPT_TOKENS] for t in texts]
+    else:  # a checkpoint without a tokenizer (a random benchmark preset): seeded random token ids
+        gen = torch.Generator().manual_seed(0)
+        prompts = [bos + torch.randint(0, cfg.vocab_size, (MAX_PROMPT_TOKENS - len(bos),), generator=gen).tolist()
+                   for _ in range(calibration_prompts)]
     log(f"calibrating {len(quantized)} modules on {len(prompts)} prompts ({sum(map(len, prompts))} tokens)")
     amax = calibrate(model, quantized, prompts)
     del model
