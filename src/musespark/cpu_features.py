@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
+
+# x86 instruction-set levels the native kernels may target, lowest first.
+ISA_LEVELS = ("none", "avx2", "avx512", "avx512_bf16", "amx_bf16")
+ISA_ENV = "MUSESPARK_ISA"  # run as if the CPU stopped at this level (tests, A/B runs)
 
 
 @functools.cache
@@ -20,9 +25,10 @@ def cpu_flags() -> frozenset[str]:
 
 
 def has_native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); without it,
-    PyTorch's bf16 GEMMs convert element by element and are several times slower than fp32."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX; lowered by
+    MUSESPARK_ISA); without it, PyTorch's bf16 GEMMs convert element by element and are
+    several times slower than fp32."""
+    return isa() in ("avx512_bf16", "amx_bf16")
 
 
 def is_x86() -> bool:
@@ -31,3 +37,30 @@ def is_x86() -> bool:
 
 def is_x86_without_native_bf16() -> bool:
     return is_x86() and not has_native_bf16()
+
+
+@functools.cache
+def detected_isa() -> str:
+    """The highest ISA_LEVELS entry this CPU has (from CPUID via /proc/cpuinfo)."""
+    f = cpu_flags()
+    if not (is_x86() and {"avx2", "fma"} <= f):
+        return "none"
+    if not {"avx512f", "avx512bw", "avx512vl"} <= f:
+        return "avx2"
+    if "avx512_bf16" not in f:
+        return "avx512"
+    return "amx_bf16" if {"amx_tile", "amx_bf16"} <= f else "avx512_bf16"
+
+
+def isa() -> str:
+    """The ISA level the kernels may use: the detected one, or MUSESPARK_ISA if it names a
+    lower level (a higher one than the CPU has is an error, not a crash later)."""
+    want = os.environ.get(ISA_ENV)
+    have = detected_isa()
+    if not want:
+        return have
+    if want not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV}={want!r}: expected one of {', '.join(ISA_LEVELS)}")
+    if ISA_LEVELS.index(want) > ISA_LEVELS.index(have):
+        raise ValueError(f"{ISA_ENV}={want!r}: this CPU supports at most {have!r}")
+    return want

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..cpu_features import cpu_flags
+from ..cpu_features import cpu_flags, isa
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,15 @@ def _disabled_because() -> str:
         return "MUSESPARK_CPU_KERNELS=0"
     if not (platform.system() == "Linux" and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags()):
         return "they need Linux on an x86-64 CPU with AVX2 and FMA"
+    if isa() == "none":
+        return "MUSESPARK_ISA=none"
     return ""
+
+
+def kernel_path() -> str:
+    """The code path the loaded native kernels run: "avx2" (AVX2+FMA; every kernel today,
+    whatever higher level `cpu_features.isa()` reports), or "none" when they are unavailable."""
+    return "avx2" if native_ops() is not None else "none"
 
 
 def unavailable_reason() -> str:
