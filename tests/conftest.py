@@ -24,3 +24,28 @@ def save_random_checkpoint(path: Path, cfg, seed: int) -> Path:
     init_random_weights(model, seed=seed)
     save_checkpoint(model.state_dict(), cfg, path, dtype=torch.float32)
     return path
+
+
+# The native kernels' code paths (kernels/cpu_isa.h), lowest first. A test that takes the
+# `kernel_path` fixture runs once per path; a path this CPU cannot execute is skipped with
+# a message naming it, never silently.
+KERNEL_PATHS = ("avx2", "avx512_bf16")
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def kernel_path(request):
+    from musespark.cpu_features import detected_isa
+    from musespark.kernels.cpu import native_ops, path_for, unavailable_reason
+
+    ops = native_ops()
+    if ops is None:
+        pytest.skip(f"kernel path {request.param}: native kernels unavailable ({unavailable_reason()})")
+    have = KERNEL_PATHS.index(path_for(detected_isa()))
+    if KERNEL_PATHS.index(request.param) > have:
+        pytest.skip(f"kernel path {request.param}: this CPU ({detected_isa()}) cannot execute it")
+    before = ops.isa_path()
+    ops.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        ops.set_isa(before)

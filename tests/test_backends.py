@@ -59,7 +59,7 @@ def paged_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Ten
 
 @needs_ops
 @pytest.mark.parametrize("dtype,tol,mean_tol", [("bfloat16", 0.1, 0.01), ("float32", 1e-4, 1e-5)])
-def test_both_backends_agree_on_the_bundled_model(dtype, tol, mean_tol):
+def test_both_backends_agree_on_the_bundled_model(dtype, tol, mean_tol, kernel_path):
     model = musespark.load_model(MODEL, dtype=dtype)  # built once; only the backend changes below
     tokenizer = Tokenizer.from_dir(MODEL)
     backends = {"torch": select_backend("torch", model), "cpu": select_backend("cpu", model)}

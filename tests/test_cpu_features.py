@@ -43,3 +43,14 @@ def test_kernels_report_the_path_and_honour_isa_none():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "unavailable" in out.stdout and "allowed none; kernel path none" in out.stdout
+
+
+def test_the_override_lowers_the_kernel_path():
+    """MUSESPARK_ISA=avx2 runs the AVX2 kernels even where the CPU has AVX-512-BF16."""
+    if cf.detected_isa() == "none":
+        pytest.skip("kernel path avx2: this CPU has no AVX2+FMA")
+    env = dict(os.environ, MUSESPARK_ISA="avx2")
+    out = subprocess.run([sys.executable, "-m", "musespark.kernels"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "allowed avx2; kernel path avx2" in out.stdout

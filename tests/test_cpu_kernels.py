@@ -28,8 +28,9 @@ needs_ops = pytest.mark.skipif(ops is None, reason="native kernels need x86-64 L
 
 @needs_ops
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M,N,K", [(1, 1, 8), (1, 13, 24), (2, 7, 40), (3, 64, 64), (9, 37, 136), (64, 5, 1024)])
-def test_linear_is_as_accurate_as_torch(wdtype, M, N, K):
+@pytest.mark.parametrize("M,N,K", [(1, 1, 8), (1, 13, 24), (2, 7, 40), (3, 64, 64), (5, 11, 48), (9, 37, 136),
+                                   (64, 5, 1024)])
+def test_linear_is_as_accurate_as_torch(wdtype, M, N, K, kernel_path):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     w = torch.randn(N, K, generator=g).to(wdtype)
     x = torch.randn(M, K, generator=g).to(wdtype)
@@ -42,6 +43,19 @@ def test_linear_is_as_accurate_as_torch(wdtype, M, N, K):
     err_torch = (theirs.double() - exact).abs().max()
     scale = exact.abs().max()
     assert err_ours <= 2 * err_torch + 1e-6 * scale, (float(err_ours), float(err_torch))
+
+
+@needs_ops
+def test_a_row_never_depends_on_its_batch(kernel_path):
+    """Every tile shape, the remainder rows and (K = 2048: 60-row chunks on the AVX-512
+    path) several x chunks give each row the bits it gets alone."""
+    g = torch.Generator().manual_seed(7)
+    for K, N in ((2048, 9), (200, 70)):
+        w = torch.randn(N, K, generator=g).bfloat16()
+        x = torch.randn(130, K, generator=g).bfloat16()
+        alone = torch.cat([ops.linear_small_m(x[m:m + 1], w) for m in range(130)])
+        for M in (2, 5, 6, 7, 13, 61, 130):
+            assert torch.equal(ops.linear_small_m(x[:M], w), alone[:M]), (kernel_path, K, M)
 
 
 @needs_ops
@@ -136,7 +150,7 @@ def _backends(model):
 
 @needs_ops
 @pytest.mark.parametrize("T", [1, 7])
-def test_fused_layers_match_the_module_path(T):
+def test_fused_layers_match_the_module_path(T, kernel_path):
     """Every fused decoder layer (bf16: attn_in, attention, attn_out, ffn_dense/ffn_moe)
     against the same layer through the PyTorch modules, from the same fp32 stream. Both
     round to bf16 at the same places; the router's fp32 GEMV (MKL vs the kernel) and
@@ -163,7 +177,7 @@ def test_fused_layers_match_the_module_path(T):
 
 
 @needs_ops
-def test_fused_model_matches_the_module_path():
+def test_fused_model_matches_the_module_path(kernel_path):
     model = _random_model(seed=11, num_hidden_layers=5,
                           mlp_layer_types=("dense", "sparse", "sparse", "sparse", "sparse"))
     reference, native = _backends(model)

@@ -53,7 +53,7 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("K", [16, 64, 272, 1024])
 @pytest.mark.parametrize("M", [1, 3, 16])
-def test_op_matches_the_reference(M, K, dtype):
+def test_op_matches_the_reference(M, K, dtype, kernel_path):
     gen = torch.Generator().manual_seed(M * 1000 + K)
     N = 40
     codes, scales, g = random_weight(N, K, gen)
@@ -68,7 +68,7 @@ def test_op_matches_the_reference(M, K, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decoded_weights_are_bit_identical(dtype):
+def test_decoded_weights_are_bit_identical(dtype, kernel_path):
     """x = identity: y^T is the decoded weight itself (one nonzero product per sum)."""
     gen = torch.Generator().manual_seed(7)
     N, K = 24, 16
@@ -78,7 +78,7 @@ def test_decoded_weights_are_bit_identical(dtype):
     assert torch.equal(y.T.float().abs(), w.float().abs())  # +-0 sums may lose the sign of zero
 
 
-def test_row_groups_of_global_scales_and_nvfp4_formats():
+def test_row_groups_of_global_scales_and_nvfp4_formats(kernel_path):
     """G global scales split N into G row groups (an expert's gate|up); the backend's twins of
     Nvfp4Linear / Nvfp4Experts give the reference formats' results."""
     from musespark.backends.cpu_backend import _NativeNvfp4Experts, _NativeNvfp4Linear
@@ -219,7 +219,7 @@ def compare(model, backend, prompts, n=24):
     return out
 
 
-def test_the_kernel_alone_keeps_the_greedy_tokens(nvfp4_model):
+def test_the_kernel_alone_keeps_the_greedy_tokens(nvfp4_model, kernel_path):
     """The cpu backend with its paged decode-attention kernel off: the NVFP4 products (plus
     the exact native embed/final-norm/head steps) are the only difference from the
     reference. Stated: the same 24 greedy tokens for each prompt, logits within 5% (max) and
@@ -233,7 +233,7 @@ def test_the_kernel_alone_keeps_the_greedy_tokens(nvfp4_model):
         assert max_err <= 0.05 and mean_err <= 0.005
 
 
-def test_the_cpu_backend_stays_close_to_the_reference(nvfp4_model):
+def test_the_cpu_backend_stays_close_to_the_reference(nvfp4_model, kernel_path):
     """The whole cpu backend (NVFP4 kernel and the existing native decode attention). Stated
     tolerance: teacher-forced logits within 20% (max) and 3% (mean) of the reference's scale,
     at least 22 of 24 greedy choices equal. Measured with this fixture: every token equal,

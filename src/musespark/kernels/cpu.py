@@ -32,10 +32,10 @@ from ..cpu_features import cpu_flags, isa
 
 logger = logging.getLogger(__name__)
 
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h", "cpu_isa.h")]
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_attn_block.cpp", "cpu_ffn_block.cpp",
-                      "cpu_nvfp4.cpp")]
+                      "cpu_nvfp4.cpp", "cpu_avx512.cpp")]
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
@@ -53,9 +53,16 @@ def _disabled_because() -> str:
 
 
 def kernel_path() -> str:
-    """The code path the loaded native kernels run: "avx2" (AVX2+FMA; every kernel today,
-    whatever higher level `cpu_features.isa()` reports), or "none" when they are unavailable."""
-    return "avx2" if native_ops() is not None else "none"
+    """The code path the loaded native kernels run: "avx512_bf16" (vdpbf16ps products and
+    the AVX-512 NVFP4 decode, on CPUs with AVX-512-BF16, AMX ones included), "avx2"
+    (AVX2+FMA, every other kernel and every other CPU), or "none" when they are unavailable."""
+    ops = native_ops()
+    return "none" if ops is None else str(ops.isa_path())
+
+
+def path_for(level: str) -> str:
+    """The kernel path an ISA level (cpu_features.ISA_LEVELS) runs."""
+    return "avx512_bf16" if level in ("avx512_bf16", "amx_bf16") else "avx2"
 
 
 def unavailable_reason() -> str:
@@ -118,6 +125,7 @@ def _build() -> Any:
         try:
             if not _reason:
                 _ops = _compile()
+                _ops.set_isa(path_for(isa()))
         except Exception as exc:  # a missing compiler or ninja, a build error: fall back, loudly
             _reason = (f"the build failed: {type(exc).__name__}: "
                        f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}")

@@ -8,11 +8,16 @@
 // Invariant (batch invariance): every output element is one dot product computed the
 // same way (8 fp32 lanes over K in order, then `hsum`) whatever M, the tile it falls in or
 // the job list it is part of, so a row's result never depends on the other rows.
+//
+// ISA dispatch (cpu_isa.h): on CPUs with AVX-512-BF16, products whose x and w both hold
+// bf16 values run `musespark_avx512::bf16_dots` instead (vdpbf16ps, 16 lanes): the same
+// invariance, a different fixed summation order.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_isa.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -93,6 +98,8 @@ inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_
 }
 
 // One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32.
+// x_bf16: every x value is a bf16 value (the fused blocks round what they multiply), so
+// the product may run on bf16 hardware without changing any input.
 struct Job {
   const float* x;
   int64_t M, K;
@@ -101,20 +108,52 @@ struct Job {
   int64_t N;
   float* y;
   int64_t ldy;
+  bool x_bf16 = true;
   int64_t tiles() const { return (N + kNR - 1) / kNR; }
+  bool avx512() const { return w_bf16 && x_bf16 && musespark_isa::avx512_bf16(); }
 };
+
+// x as bf16 bits (exact: x_bf16 says every value is one), one copy per distinct x.
+inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jobs, std::vector<int>& which) {
+  std::vector<std::vector<uint16_t>> out;
+  std::vector<const float*> seen;
+  which.assign(jobs.size(), -1);
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Job& b = jobs[j];
+    if (!b.avx512() || b.M == 0) continue;
+    for (size_t i = 0; i < seen.size(); ++i)
+      if (seen[i] == b.x && out[i].size() == static_cast<size_t>(b.M * b.K)) which[j] = static_cast<int>(i);
+    if (which[j] >= 0) continue;
+    std::vector<uint16_t> xb(b.M * b.K);
+    for (int64_t i = 0; i < b.M * b.K; ++i) xb[i] = at::BFloat16(b.x[i]).x;
+    which[j] = static_cast<int>(out.size());
+    seen.push_back(b.x);
+    out.push_back(std::move(xb));
+  }
+  return out;
+}
 
 // Runs several products in one parallel region (one thread wake-up, one stream of weight
 // tiles split across threads: each thread reads its own contiguous slice once).
 inline void run_jobs(const std::vector<Job>& jobs) {
   std::vector<int64_t> first(jobs.size() + 1, 0);  // first tile of each job
   for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
+  std::vector<int> which;
+  const auto xb = bf16_inputs(jobs, which);
   at::parallel_for(0, first.back(), 16, [&](int64_t t0, int64_t t1) {
     size_t j = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first[j + 1]) ++j;
       const Job& b = jobs[j];
       const int64_t n0 = (t - first[j]) * kNR;
+      if (which[j] >= 0) {  // this job's tiles in [t, t1) in one call (it chunks x by itself)
+        const int64_t t_end = std::min(t1, first[j + 1]);
+        const int64_t n1 = std::min(b.N, (t_end - first[j]) * kNR);
+        musespark_avx512::bf16_dots(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1, b.y,
+                                    b.ldy);
+        t = t_end - 1;
+        continue;
+      }
       if (b.w_bf16)
         weight_tile(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), b.N, n0, b.y, b.ldy);
       else
@@ -123,12 +162,13 @@ inline void run_jobs(const std::vector<Job>& jobs) {
   });
 }
 
-inline Job job(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t ldy) {
-  return Job{x, M, K, w.data_ptr(), w.scalar_type() == at::kBFloat16, w.size(0), y, ldy};
+// x holds bf16 values unless x_bf16 is false (see Job).
+inline Job job(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t ldy, bool x_bf16 = true) {
+  return Job{x, M, K, w.data_ptr(), w.scalar_type() == at::kBFloat16, w.size(0), y, ldy, x_bf16};
 }
 
-inline void run(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y) {
-  run_jobs({job(x, M, K, w, y, w.size(0))});
+inline void run(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, bool x_bf16) {
+  run_jobs({job(x, M, K, w, y, w.size(0), x_bf16)});
 }
 
 }  // namespace musespark_gemv

@@ -26,11 +26,18 @@
 // `_mm256_permutevar8x32_ps` looks up |E2M1| * t (the block's 8 magnitudes, from a per-call
 // table indexed by the scale byte) and the sign bit is xored in. The activations are permuted once per call into the
 // same even/odd order, so no shuffle of the weights is needed.
+//
+// AVX-512-BF16 CPUs (cpu_isa.h) run `musespark_avx512::nvfp4_rows`: two blocks per step,
+// `vpermi2ps` over two 16-entry signed tables (|E2M1| * t and its negation, the same
+// values), x in that path's order (per 32 elements: even of block a, even of block b, odd
+// of a, odd of b; a final odd block: its 8 even then 8 odd). Same products, same weight
+// values, a different fixed summation order (16 lanes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
 #include "cpu_simd.h"
 
 #include <cmath>
@@ -97,17 +104,27 @@ inline void decode_block(const uint8_t* codes, const float* mags_of_scale, __m25
   w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, _mm256_srli_epi32(raw, 4)), _mm256_castsi256_ps(odd_sign));
 }
 
-// x rows permuted to the decode order: per block, the 8 even elements then the 8 odd ones.
-std::vector<float> permute_x(const at::Tensor& x) {
+// x rows permuted to the decode order: per block, the 8 even elements then the 8 odd ones;
+// `pairs` (the AVX-512 order): per two blocks a, b: even a, even b, odd a, odd b.
+std::vector<float> permute_x(const at::Tensor& x, bool pairs) {
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<float> out(M * K);
   auto fill = [&](auto* p) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < K; b += kBlock)
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t b = 0;
+      if (pairs)
+        for (; b + 2 * kBlock <= K; b += 2 * kBlock)
+          for (int64_t h = 0; h < 2; ++h)      // block a, block b
+            for (int64_t i = 0; i < 8; ++i) {  // element 2i (even) and 2i+1 (odd) of the block
+              out[m * K + b + h * 8 + i] = static_cast<float>(p[m * K + b + h * kBlock + 2 * i]);
+              out[m * K + b + 16 + h * 8 + i] = static_cast<float>(p[m * K + b + h * kBlock + 2 * i + 1]);
+            }
+      for (; b < K; b += kBlock)
         for (int64_t i = 0; i < 8; ++i) {
           out[m * K + b + i] = static_cast<float>(p[m * K + b + 2 * i]);
           out[m * K + b + 8 + i] = static_cast<float>(p[m * K + b + 2 * i + 1]);
         }
+    }
   };
   if (x.scalar_type() == at::kFloat)
     fill(x.data_ptr<float>());
@@ -196,7 +213,8 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   auto gc = global_scale.contiguous();
   auto y = at::empty({M, N}, xc.options());
   if (M == 0 || N == 0) return y;
-  const std::vector<float> xp = permute_x(xc);
+  const bool avx512 = musespark_isa::avx512_bf16();
+  const std::vector<float> xp = permute_x(xc, avx512);
   const bool bf16 = xc.scalar_type() == at::kBFloat16;
   std::vector<float> yf(bf16 ? M * N : 0);
   float* out = bf16 ? yf.data() : y.data_ptr<float>();
@@ -213,9 +231,21 @@ at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     else
       magnitude_table<false>(gp[g], tables.data() + g * 256 * 8);
   }
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    rows(xp.data(), M, K, cp, sp, tables.data(), per_global, N, n0, n1, out);
-  });
+  if (avx512) {  // signed 16-entry tables: [|E2M1| * t, -(|E2M1| * t)] per scale byte
+    std::vector<float> signed_tables(G * 256 * 16);
+    for (int64_t i = 0; i < G * 256; ++i)
+      for (int64_t c = 0; c < 8; ++c) {
+        signed_tables[i * 16 + c] = tables[i * 8 + c];
+        signed_tables[i * 16 + 8 + c] = -tables[i * 8 + c];
+      }
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      musespark_avx512::nvfp4_rows(xp.data(), M, K, cp, sp, signed_tables.data(), per_global, N, n0, n1, out);
+    });
+  } else {
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      rows(xp.data(), M, K, cp, sp, tables.data(), per_global, N, n0, n1, out);
+    });
+  }
   if (bf16) {
     auto* yp = y.data_ptr<at::BFloat16>();
     for (int64_t i = 0; i < M * N; ++i) yp[i] = at::BFloat16(yf[i]);

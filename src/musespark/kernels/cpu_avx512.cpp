@@ -1,0 +1,199 @@
+// AVX-512 versions of the hot loops (cpu_isa.h declares them and says when they run).
+// Everything in this file is compiled for AVX-512F/BW/VL/DQ + BF16 by the pragma below and
+// is reached only through musespark_isa::level() >= kAvx512Bf16. It includes no ATen or
+// standard-library header after the pragma (see cpu_isa.h: no inline function compiled
+// for AVX-512 may leak into the AVX2 world).
+#include <cstdint>
+#include <immintrin.h>
+
+#include "cpu_isa.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+
+namespace musespark_avx512 {
+namespace {
+
+// ---- bf16 dot products (vdpbf16ps) -------------------------------------------------------
+
+// Weight rows per tile, x rows per tile: 4 x 6 = 24 zmm accumulators + 4 weights + 1 x.
+constexpr int kNR = 4;
+constexpr int kMR = 6;
+// x rows per chunk: the chunk's bf16 rows stay in L2 (~256 KiB) while every weight tile
+// of the thread's slice passes over them; the weights are re-read once per chunk.
+constexpr int64_t kChunkBytes = 256 * 1024;
+
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_bh(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+// The fixed lane sum of every accumulator (same code for every tile shape).
+inline float sum16(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+// NR weight rows x MR x rows; acc[n][m] += w[n, k:k+32] . x[m, k:k+32] over K in order,
+// the last partial step zero-masked (adding +0 products changes no sum).
+template <int NR, int MR>
+inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t ldy, bool prefetch) {
+  __m512 acc[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) acc[n][m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NR];
+    for (int n = 0; n < NR; ++n) {
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (n + NR) * K + k), _MM_HINT_T0);
+      wv[n] = load_bh(w + n * K + k);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = load_bh(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[n][m] = _mm512_dpbf16_ps(acc[n][m], wv[n], xv);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = (1u << (K - k)) - 1u;
+    __m512bh wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = load_bh(w + n * K + k, mask);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = load_bh(x + m * K + k, mask);
+      for (int n = 0; n < NR; ++n) acc[n][m] = _mm512_dpbf16_ps(acc[n][m], wv[n], xv);
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) y[m * ldy + n] = sum16(acc[n][m]);
+}
+
+// NR weight rows against x rows [0, M) (M <= chunk): MR-row tiles, then the remainder.
+template <int NR>
+inline void rows_of_tile(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy,
+                         bool prefetch) {
+  int64_t m = 0;
+  for (; m + kMR <= M; m += kMR) tile<NR, kMR>(x + m * K, K, w, y + m * ldy, ldy, prefetch);
+  switch (M - m) {
+    case 5: tile<NR, 5>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
+    case 4: tile<NR, 4>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
+    case 3: tile<NR, 3>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
+    case 2: tile<NR, 2>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
+    case 1: tile<NR, 1>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
+               int64_t ldy) {
+  int64_t chunk = kChunkBytes / (2 * K);
+  chunk = chunk < kMR ? kMR : chunk - chunk % kMR;
+  // Decode-sized M streams the weights: prefetch the next tile's lines.
+  const bool prefetch = M <= 4;
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t mc = M - c0 < chunk ? M - c0 : chunk;
+    const uint16_t* xc = x + c0 * K;
+    float* yc = y + c0 * ldy;
+    int64_t n = n0;
+    for (; n + kNR <= n1; n += kNR) rows_of_tile<kNR>(xc, mc, K, w + n * K, yc + n, ldy, prefetch);
+    for (; n < n1; ++n) rows_of_tile<1>(xc, mc, K, w + n * K, yc + n, ldy, false);
+  }
+}
+
+// ---- NVFP4 weight-only rows ---------------------------------------------------------------
+
+namespace {
+
+// Two blocks (32 weights, 16 code bytes): lanes 0-7 block a, 8-15 block b. The low nibble
+// of byte j is element 2j, the high nibble element 2j+1; vpermi2ps reads 5 index bits: bit
+// 4 picks block b's table. w0 = [a even | b even], w1 = [a odd | b odd].
+inline void decode_pair(const uint8_t* codes, const float* table_a, const float* table_b, __m512& w0,
+                        __m512& w1) {
+  const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+  const __m512 ta = _mm512_loadu_ps(table_a), tb = _mm512_loadu_ps(table_b);
+  // (raw & 15) | which, in one ternary-logic op (0xEA = (A & B) | C).
+  const __m512i lo = _mm512_ternarylogic_epi32(raw, _mm512_set1_epi32(15), which, 0xEA);
+  const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(raw, 4), which);
+  w0 = _mm512_permutex2var_ps(ta, lo, tb);
+  w1 = _mm512_permutex2var_ps(ta, hi, tb);
+}
+
+// One block (16 weights, 8 code bytes), the tail of a row whose K is an odd number of
+// blocks: w = [even | odd].
+inline __m512 decode_one(const uint8_t* codes, const float* table) {
+  const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi32(raw, 4), 1);
+  return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table));  // reads index bits 0-3
+}
+
+}  // namespace
+
+void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                const float* tables, int64_t rows_per_global, int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / 16, pairs = nb / 2;
+  const bool tail = nb % 2 != 0;
+  // Decoded weight rows for M > 1 (K floats); fixed-size scratch keeps this file free of
+  // library containers: rows longer than it take the one-row path per x row.
+  alignas(64) static thread_local float scratch[16384];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* c = codes + n * (K / 2);
+    const uint8_t* s = scales + n * nb;
+    const float* table = tables + (n / rows_per_global) * 256 * 16;
+    if (M == 1 || K > 16384) {
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xp + m * K;
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; ++p) {
+          if ((p & 3) == 0) {
+            _mm_prefetch(reinterpret_cast<const char*>(c + p * 16) + 1024, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(s + 2 * p) + 128, _MM_HINT_T0);
+          }
+          __m512 w0, w1;
+          decode_pair(c + p * 16, table + s[2 * p] * 16, table + s[2 * p + 1] * 16, w0, w1);
+          acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr + p * 32), acc0);
+          acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + p * 32 + 16), acc1);
+        }
+        if (tail) acc0 = _mm512_fmadd_ps(decode_one(c + pairs * 16, table + s[2 * pairs] * 16),
+                                         _mm512_loadu_ps(xr + pairs * 32), acc0);
+        y[m * N + n] = sum16(_mm512_add_ps(acc0, acc1));
+      }
+      continue;
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512 w0, w1;
+      decode_pair(c + p * 16, table + s[2 * p] * 16, table + s[2 * p + 1] * 16, w0, w1);
+      _mm512_storeu_ps(scratch + p * 32, w0);
+      _mm512_storeu_ps(scratch + p * 32 + 16, w1);
+    }
+    if (tail) _mm512_storeu_ps(scratch + pairs * 32, decode_one(c + pairs * 16, table + s[2 * pairs] * 16));
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      __m512 a0[4], a1[4];
+      for (int r = 0; r < 4; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512 w0 = _mm512_loadu_ps(scratch + p * 32), w1 = _mm512_loadu_ps(scratch + p * 32 + 16);
+        for (int r = 0; r < 4; ++r) {
+          a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + (m + r) * K + p * 32), a0[r]);
+          a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + (m + r) * K + p * 32 + 16), a1[r]);
+        }
+      }
+      if (tail)
+        for (int r = 0; r < 4; ++r)
+          a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + (m + r) * K + pairs * 32),
+                                  a0[r]);
+      for (int r = 0; r < 4; ++r) y[(m + r) * N + n] = sum16(_mm512_add_ps(a0[r], a1[r]));
+    }
+    for (; m < M; ++m) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + p * 32), _mm512_loadu_ps(xp + m * K + p * 32), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + p * 32 + 16), _mm512_loadu_ps(xp + m * K + p * 32 + 16), a1);
+      }
+      if (tail) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + m * K + pairs * 32), a0);
+      y[m * N + n] = sum16(_mm512_add_ps(a0, a1));
+    }
+  }
+}
+
+}  // namespace musespark_avx512

@@ -1,0 +1,42 @@
+// Run-time ISA dispatch of the native kernels. The AVX2+FMA code is the baseline every
+// supported CPU runs; cpu_avx512.cpp holds AVX-512 (F/BW/VL/DQ + BF16) versions of the hot
+// loops, compiled for that ISA by a `#pragma GCC target` and called only when `level()`
+// says so. The Python side sets the level once at load (`set_isa`, from
+// cpu_features.isa(): CPUID lowered by MUSESPARK_ISA); `set_isa` refuses a level the CPU
+// lacks, so no path here can raise SIGILL.
+//
+// This header is included by both worlds, so it declares plain-C++ signatures only (no
+// ATen: an inline ATen function instantiated in the AVX-512 file could be picked by the
+// linker for the AVX2 world).
+#pragma once
+#include <cstdint>
+
+namespace musespark_isa {
+
+enum Level : int { kAvx2 = 1, kAvx512Bf16 = 3 };
+
+// The level the kernels use now (kAvx2 until set_level says otherwise).
+int level();
+// Returns false (and changes nothing) when the CPU cannot run `want`.
+bool set_level(int want);
+inline bool avx512_bf16() { return level() >= kAvx512Bf16; }
+
+}  // namespace musespark_isa
+
+namespace musespark_avx512 {
+
+// y[m * ldy + n] = sum_k x[m, k] * w[n, k] for m in [0, M), n in [n0, n1); x [M, K] and
+// w [N, K] hold bf16 bits, row-major; fp32 accumulation with vdpbf16ps (each bf16 product
+// is exact in fp32; pairs are summed into 16 lanes over K in order, the lanes summed at the
+// end). Every (m, n) is computed the same way whatever M, n0, n1: batch invariant. K % 8 == 0.
+void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
+               int64_t ldy);
+
+// NVFP4 weight-only rows (cpu_nvfp4.cpp states the contract): y[m * N + n] for n in [n0, n1)
+// from x permuted to the decode order (per 16-block: 8 even then 8 odd elements), codes
+// [N, K/2], scale bytes [N, K/16], and per global scale a table of 256 x 16 signed
+// magnitudes (table[byte * 16 + code]).
+void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                const float* tables, int64_t rows_per_global, int64_t N, int64_t n0, int64_t n1, float* y);
+
+}  // namespace musespark_avx512
