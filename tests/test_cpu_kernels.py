@@ -197,13 +197,25 @@ def test_fused_blocks_name_the_bad_argument():
     layer = model.layers[0]
     attn, norm = layer.self_attn, layer.input_layernorm
     s = torch.randn(2, model.config.hidden_size)
-    wrong = torch.zeros(attn.q_proj.weight.shape[0], 8, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="k_proj must be"):
-        ops.attn_in(s, norm.gain(), 1e-6, attn.q_proj.weight, wrong, attn.v_proj.weight, attn.gate_proj.weight,
-                    attn.num_heads, attn.num_kv_heads, 1.0, None, None)
+    q, v, g = [attn.q_proj.weight], [attn.v_proj.weight], [attn.gate_proj.weight]
+    rows = attn.k_proj.weight.shape[0]
+    cases = {  # a bad k_proj argument -> what the message must say
+        "k_proj must be \\[": [torch.zeros(rows, 8, dtype=torch.bfloat16)],
+        "k_proj must be bfloat16": [attn.k_proj.weight.float()],
+        "k_proj: expected \\[bf16 weight\\]": [attn.k_proj.weight, attn.k_proj.weight],
+        "k_proj: NVFP4 codes must be uint8": [attn.k_proj.weight, torch.zeros(rows, 16, dtype=torch.uint8),
+                                              torch.ones(1)],
+        "k_proj: NVFP4 block scales": [torch.zeros(rows, 128, dtype=torch.uint8), torch.zeros(rows, 3, dtype=torch.uint8),
+                                       torch.ones(1)],
+        "k_proj: NVFP4 global scales": [torch.zeros(rows, 128, dtype=torch.uint8),
+                                        torch.zeros(rows, 16, dtype=torch.uint8), torch.ones(1, dtype=torch.float64)],
+    }
+    for message, k in cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            ops.attn_in(s, norm.gain(), 1e-6, q, k, v, g, attn.num_heads, attn.num_kv_heads, 1.0, None, None)
     with pytest.raises(RuntimeError, match="stream"):
-        ops.attn_in(s.bfloat16(), norm.gain(), 1e-6, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                    attn.gate_proj.weight, attn.num_heads, attn.num_kv_heads, 1.0, None, None)
+        ops.attn_in(s.bfloat16(), norm.gain(), 1e-6, q, [attn.k_proj.weight], v, g, attn.num_heads,
+                    attn.num_kv_heads, 1.0, None, None)
 
 
 def test_model_runs_without_the_kernels(tmp_path):

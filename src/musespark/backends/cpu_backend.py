@@ -47,6 +47,29 @@ _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float32)
 NVFP4_NATIVE_MAX_ROWS = 16
 
 
+def _weight(linear: nn.Module) -> list[torch.Tensor]:
+    """A linear's weight argument of the fused ops (kernels/cpu_block.h `weight_arg`)."""
+    if isinstance(linear.format, Nvfp4Linear):
+        return [linear.weight, linear.weight_scale.view(torch.uint8), linear.weight_scale_2.reshape(1)]
+    return [linear.weight]
+
+
+def _expert_weights(experts: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The experts' gate|up and down arguments of `ffn_moe` (NVFP4: gate|up has two global
+    scales per expert, down one)."""
+    if isinstance(experts.format, Nvfp4Experts):
+        return ([experts.gate_up_proj, experts.gate_up_proj_weight_scale.view(torch.uint8),
+                 experts.gate_up_proj_weight_scale_2],
+                [experts.down_proj, experts.down_proj_weight_scale.view(torch.uint8), experts.down_proj_weight_scale_2])
+    return [experts.gate_up_proj], [experts.down_proj]
+
+
+def _fusable(fmt: object) -> bool:
+    """Formats the fused blocks multiply: dense, and weight-only NVFP4."""
+    return isinstance(fmt, (DenseLinear, DenseExperts)) or (
+        isinstance(fmt, (Nvfp4Linear, Nvfp4Experts)) and fmt.mode == "weight-only")
+
+
 def _native_rows(x: torch.Tensor) -> bool:
     return (x.dtype in (torch.bfloat16, torch.float32) and 0 < x.numel() // x.shape[-1] <= NVFP4_NATIVE_MAX_ROWS
             and not (torch.is_grad_enabled() and x.requires_grad))
@@ -152,10 +175,10 @@ class CpuBackend(TorchBackend):
         cfg = model.config
         widths = (cfg.hidden_size, cfg.head_dim, cfg.moe_hidden_size, cfg.moe_intermediate_size,
                   cfg.intermediate_size)
-        dense = all(isinstance(m.format, (DenseLinear, DenseExperts))
-                    for m in model.modules() if hasattr(m, "format"))
+        fusable = all(_fusable(m.format) for m in model.modules() if hasattr(m, "format") and m is not model.lm_head)
         # Which steps have kernels for this model (its dtype is checked per call: `.to()` may change it).
-        self.fused_blocks = dense and all(n % 8 == 0 for n in widths)
+        # The fused blocks hold a whole layer: one process (no tensor-parallel partial sums).
+        self.fused_blocks = fusable and all(n % 8 == 0 for n in widths) and model.parallel.tp_size == 1
         self.native_decode = cfg.head_dim % 8 == 0
         # The head kernel needs a dense head, whatever the other modules' formats.
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
@@ -174,8 +197,8 @@ class CpuBackend(TorchBackend):
                 return super().attn_in(layer, s, rotary, dtype)
         attn, norm = layer.self_attn, layer.input_layernorm
         cos, sin = rotary or (None, None)
-        return self.ops.attn_in(s, norm.gain(), norm.eps, attn.q_proj.weight, attn.k_proj.weight,
-                                attn.v_proj.weight, attn.gate_proj.weight, attn.num_heads, attn.num_kv_heads,
+        return self.ops.attn_in(s, norm.gain(), norm.eps, _weight(attn.q_proj), _weight(attn.k_proj),
+                                _weight(attn.v_proj), _weight(attn.gate_proj), attn.num_heads, attn.num_kv_heads,
                                 attn.qk_scale, cos, sin)
 
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -191,7 +214,7 @@ class CpuBackend(TorchBackend):
                 return super().attn_out(layer, s, o, g)
         attn = layer.self_attn
         alpha, beta = layer.post_attention_residual_gate.coefficients_cached()
-        return self.ops.attn_out(s, o.contiguous(), g, attn.o_proj.weight, attn.eps, alpha, beta,
+        return self.ops.attn_out(s, o.contiguous(), g, _weight(attn.o_proj), attn.eps, alpha, beta,
                                  layer.post_norm_eps)
 
     def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -200,8 +223,8 @@ class CpuBackend(TorchBackend):
                 return super().dense_ffn(layer, s, dtype)
         mlp, pre, post = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
         alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
-        return self.ops.ffn_dense(s, pre.gain(), pre.eps, mlp.gate_proj.weight, mlp.up_proj.weight,
-                                  mlp.down_proj.weight, post.gain(), post.eps, alpha, beta)
+        return self.ops.ffn_dense(s, pre.gain(), pre.eps, _weight(mlp.gate_proj), _weight(mlp.up_proj),
+                                  _weight(mlp.down_proj), post.gain(), post.eps, alpha, beta)
 
     def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
@@ -215,8 +238,8 @@ class CpuBackend(TorchBackend):
         alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
         return self.ops.ffn_moe(s, pre.gain(), pre.eps, router.weight.float(), router.e_score_correction_bias.float(),
                                 router.top_k, router.output_multiplier, router.routed_scaling_factor,
-                                mlp.pre_expert_proj.weight, mlp.pre_expert_norm.gain(), experts.gate_up_proj,
-                                experts.down_proj, experts.post_expert_norm.gain(), mlp.post_expert_proj.weight,
+                                _weight(mlp.pre_expert_proj), mlp.pre_expert_norm.gain(), *_expert_weights(experts),
+                                experts.post_expert_norm.gain(), _weight(mlp.post_expert_proj),
                                 post.gain(), post.eps, alpha, beta)
 
     def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

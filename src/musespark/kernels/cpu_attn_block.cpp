@@ -16,21 +16,23 @@ using namespace musespark_block;
 //   h = bf16(rms(s) * gain);  q, k, v, g = bf16(h W^T);
 //   q = bf16(rope(rms(q_head) * qk_scale)), k = bf16(rope(rms(k_head))) (no rope without cos/sin).
 // `eps` is the model's rms_norm_eps (input norm and QK-norm).
-std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor& gain, double eps, const Tensor& wq,
-                                                   const Tensor& wk, const Tensor& wv, const Tensor& wg,
+std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor& gain, double eps, at::TensorList q_proj,
+                                                   at::TensorList k_proj, at::TensorList v_proj, at::TensorList gate_proj,
                                                    int64_t num_heads, int64_t num_kv_heads, double qk_scale,
                                                    const c10::optional<Tensor>& cos,
                                                    const c10::optional<Tensor>& sin) {
   check_stream(s, "attn_in");
   const int64_t T = s.size(0), H = s.size(1);
-  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && wq.dim() == 2 && wq.size(0) % num_heads == 0,
+  const Weight wq = weight_arg(q_proj, false, "attn_in: q_proj"), wk = weight_arg(k_proj, false, "attn_in: k_proj"),
+               wv = weight_arg(v_proj, false, "attn_in: v_proj"), wg = weight_arg(gate_proj, false, "attn_in: gate_proj");
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && wq.N % num_heads == 0,
               "attn_in: q_proj rows must split into num_heads heads");
-  const int64_t D = wq.size(0) / num_heads, nH = num_heads, nKV = num_kv_heads;
+  const int64_t D = wq.N / num_heads, nH = num_heads, nKV = num_kv_heads;
   check_vector(gain, H, "attn_in: gain");
-  check_weight(wq, nH * D, H, "attn_in: q_proj");
-  check_weight(wk, nKV * D, H, "attn_in: k_proj");
-  check_weight(wv, nKV * D, H, "attn_in: v_proj");
-  check_weight(wg, nH * D, H, "attn_in: gate_proj");
+  check_shape(wq, nH * D, H, "attn_in: q_proj");
+  check_shape(wk, nKV * D, H, "attn_in: k_proj");
+  check_shape(wv, nKV * D, H, "attn_in: v_proj");
+  check_shape(wg, nH * D, H, "attn_in: gate_proj");
   const bool rope = cos.has_value() && cos->defined();
   if (rope) {
     TORCH_CHECK(sin.has_value() && sin->defined() && D % 2 == 0, "attn_in: rotary needs cos and sin, even head_dim");
@@ -44,8 +46,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
   // One row of `proj` is [q | k | v | g].
   const int64_t W = (2 * nH + 2 * nKV) * D, ok = nH * D, ov = ok + nKV * D, og = ov + nKV * D;
   std::vector<float> proj(T * W);
-  run_jobs({job(h.data(), T, H, wq, proj.data(), W), job(h.data(), T, H, wk, proj.data() + ok, W),
-            job(h.data(), T, H, wv, proj.data() + ov, W), job(h.data(), T, H, wg, proj.data() + og, W)});
+  run_jobs({wq.job(h.data(), T, proj.data(), W), wk.job(h.data(), T, proj.data() + ok, W),
+            wv.job(h.data(), T, proj.data() + ov, W), wg.job(h.data(), T, proj.data() + og, W)});
   auto opts = s.options().dtype(at::kBFloat16);
   Tensor q = at::empty({T, nH, D}, opts), k = at::empty({T, nKV, D}, opts), v = at::empty({T, nKV, D}, opts),
          g = at::empty({T, nH, D}, opts);
@@ -74,15 +76,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
 // s [T, H] fp32, o and g [T, nH, D] bf16 -> s' [T, H] fp32:
 //   x = bf16(rms(o_head) * sigmoid(g));  a = bf16(x Wo^T);  s' = alpha * s + beta * rms(a).
 // `eps` is the O-norm's (rms_norm_eps), `post_eps` the weightless post-attention norm's.
-Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, const Tensor& wo, double eps, const Tensor& alpha,
-                const Tensor& beta, double post_eps) {
+Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorList o_proj, double eps,
+                const Tensor& alpha, const Tensor& beta, double post_eps) {
   check_stream(s, "attn_out");
   const int64_t T = s.size(0), H = s.size(1);
   TORCH_CHECK(o.dim() == 3 && o.size(0) == T && o.scalar_type() == at::kBFloat16 && o.is_contiguous() &&
                   g.sizes() == o.sizes() && g.scalar_type() == at::kBFloat16 && g.is_contiguous(),
               "attn_out: o and g must be contiguous bfloat16 [T, heads, head_dim] alike");
   const int64_t nH = o.size(1), D = o.size(2);
-  check_weight(wo, H, nH * D, "attn_out: o_proj");
+  const Weight wo = weight_arg(o_proj, false, "attn_out: o_proj");
+  check_shape(wo, H, nH * D, "attn_out: o_proj");
   check_residual(s, alpha, beta);
   const float e = static_cast<float>(eps);
   std::vector<float> x(T * nH * D), a(T * H);
@@ -95,7 +98,7 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, const Tensor&
         x[base + j] = round_bf16(x[base + j] * sigmoid(static_cast<float>(gp[base + j])));
     }
   });
-  run_jobs({job(x.data(), T, nH * D, wo, a.data(), H)});
+  run_jobs({wo.job(x.data(), T, a.data(), H)});
   round_all(a.data(), T * H);
   return residual(s, a.data(), nullptr, static_cast<float>(post_eps), alpha, beta);
 }
@@ -103,9 +106,9 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, const Tensor&
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
-  m.def("attn_in(Tensor s, Tensor gain, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor wg, int num_heads, "
+  m.def("attn_in(Tensor s, Tensor gain, float eps, Tensor[] wq, Tensor[] wk, Tensor[] wv, Tensor[] wg, int num_heads, "
         "int num_kv_heads, float qk_scale, Tensor? cos, Tensor? sin) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("attn_out(Tensor s, Tensor o, Tensor g, Tensor wo, float eps, Tensor alpha, Tensor beta, float post_eps) "
+  m.def("attn_out(Tensor s, Tensor o, Tensor g, Tensor[] wo, float eps, Tensor alpha, Tensor beta, float post_eps) "
         "-> Tensor");
 }
 

@@ -130,7 +130,7 @@ inline __m512 decode_one(const uint8_t* codes, const float* table) {
 }  // namespace
 
 void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
-                const float* tables, int64_t rows_per_global, int64_t N, int64_t n0, int64_t n1, float* y) {
+                const float* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / 16, pairs = nb / 2;
   const bool tail = nb % 2 != 0;
   // Decoded weight rows for M > 1 (K floats); fixed-size scratch keeps this file free of
@@ -156,7 +156,7 @@ void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, con
         }
         if (tail) acc0 = _mm512_fmadd_ps(decode_one(c + pairs * 16, table + s[2 * pairs] * 16),
                                          _mm512_loadu_ps(xr + pairs * 32), acc0);
-        y[m * N + n] = sum16(_mm512_add_ps(acc0, acc1));
+        y[m * ldy + n] = sum16(_mm512_add_ps(acc0, acc1));
       }
       continue;
     }
@@ -182,7 +182,7 @@ void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, con
         for (int r = 0; r < 4; ++r)
           a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + (m + r) * K + pairs * 32),
                                   a0[r]);
-      for (int r = 0; r < 4; ++r) y[(m + r) * N + n] = sum16(_mm512_add_ps(a0[r], a1[r]));
+      for (int r = 0; r < 4; ++r) y[(m + r) * ldy + n] = sum16(_mm512_add_ps(a0[r], a1[r]));
     }
     for (; m < M; ++m) {
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -191,7 +191,7 @@ void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, con
         a1 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + p * 32 + 16), _mm512_loadu_ps(xp + m * K + p * 32 + 16), a1);
       }
       if (tail) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + m * K + pairs * 32), a0);
-      y[m * N + n] = sum16(_mm512_add_ps(a0, a1));
+      y[m * ldy + n] = sum16(_mm512_add_ps(a0, a1));
     }
   }
 }

@@ -31,7 +31,6 @@ namespace musespark_block {
 
 using at::Tensor;
 using musespark_gemv::Job;
-using musespark_gemv::job;
 using musespark_gemv::run_jobs;
 using musespark_rows::gated_residual_row;
 using musespark_rows::rms_row;
@@ -41,10 +40,70 @@ using musespark_rows::sigmoid;
 
 constexpr int64_t kRowGrain = 16;  // rows per task in row loops (T = 1 runs inline)
 
-inline void check_weight(const Tensor& w, int64_t N, int64_t K, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(), name,
-              " must be a contiguous bfloat16 matrix");
-  TORCH_CHECK(w.size(0) == N && w.size(1) == K, name, " must be [", N, ", ", K, "], got ", w.sizes());
+// A weight argument of the fused blocks (schema `Tensor[]`): [w], a contiguous bf16 matrix
+// [N, K] (experts: [E, N, K]), or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
+// [(E,) N, K/2], block scales float8_e4m3fn or uint8 [(E,) N, K/16], global scales fp32 with
+// (E x) G elements, G dividing N]. Views into the tensors: they must outlive the call.
+struct Weight {
+  const uint8_t* w = nullptr;  // bf16 elements or NVFP4 codes
+  const uint8_t* scales = nullptr;
+  const float* globals = nullptr;
+  int64_t E = 0, N = 0, K = 0, G = 1;
+  int64_t w_stride = 0, s_stride = 0;  // bytes per expert
+
+  bool nvfp4() const { return scales != nullptr; }
+  // y[M, N] (row stride ldy) = x[M, K] @ W[e]^T; x holds bf16 values.
+  Job job(const float* x, int64_t M, float* y, int64_t ldy, int64_t e = 0) const {
+    Job j{x, M, K, w + e * w_stride, !nvfp4(), N, y, ldy, true};
+    if (nvfp4()) {
+      j.scales = scales + e * s_stride;
+      j.globals = globals + e * G;
+      j.G = G;
+    }
+    return j;
+  }
+};
+
+// Reads and checks a weight argument; `experts`: a leading expert dimension. The caller
+// checks N and K against the model (check_shape).
+inline Weight weight_arg(at::TensorList parts, bool experts, const char* name) {
+  const int64_t d = experts ? 3 : 2;
+  Weight w;
+  TORCH_CHECK(parts.size() == 1 || parts.size() == 3, name,
+              ": expected [bf16 weight] or [NVFP4 codes, block scales, global scales], got ", parts.size(), " tensors");
+  const Tensor& a = parts[0];
+  TORCH_CHECK(a.dim() == d && a.is_contiguous(), name, " must be a contiguous ", d, "-D tensor, got ", a.sizes());
+  w.E = experts ? a.size(0) : 1;
+  w.N = a.size(d - 2);
+  w.w = static_cast<const uint8_t*>(a.data_ptr());
+  if (parts.size() == 1) {
+    TORCH_CHECK(a.scalar_type() == at::kBFloat16, name, " must be bfloat16 (or NVFP4), got ", a.scalar_type());
+    w.K = a.size(d - 1);
+    w.w_stride = w.N * w.K * 2;
+    return w;
+  }
+  const Tensor &sc = parts[1], &gl = parts[2];
+  w.K = a.size(d - 1) * 2;
+  TORCH_CHECK(a.scalar_type() == at::kByte, name, ": NVFP4 codes must be uint8, got ", a.scalar_type());
+  TORCH_CHECK(sc.dim() == d && sc.is_contiguous() && sc.element_size() == 1 &&
+                  (sc.scalar_type() == at::kByte || sc.scalar_type() == at::kFloat8_e4m3fn) &&
+                  (!experts || sc.size(0) == w.E) && sc.size(d - 2) == w.N && sc.size(d - 1) * 16 == w.K,
+              name, ": NVFP4 block scales must be contiguous e4m3 [", experts ? "E, " : "", w.N, ", ", w.K / 16,
+              "], got ", sc.sizes());
+  TORCH_CHECK(gl.scalar_type() == at::kFloat && gl.is_contiguous() && gl.numel() >= w.E && gl.numel() % w.E == 0,
+              name, ": NVFP4 global scales must be contiguous float32, a multiple of ", w.E, " elements");
+  w.G = gl.numel() / w.E;
+  TORCH_CHECK(w.N % w.G == 0, name, ": ", w.G, " global scales do not divide ", w.N, " rows");
+  w.scales = static_cast<const uint8_t*>(sc.data_ptr());
+  w.globals = gl.data_ptr<float>();
+  w.w_stride = w.N * w.K / 2;
+  w.s_stride = w.N * w.K / 16;
+  return w;
+}
+
+inline void check_shape(const Weight& w, int64_t N, int64_t K, const char* name) {
+  TORCH_CHECK(w.N == N && w.K == K, name, " must be [", N, ", ", K, "] (as bf16 elements), got [", w.N, ", ", w.K,
+              "]");
 }
 
 inline void check_vector(const Tensor& v, int64_t n, const char* name) {

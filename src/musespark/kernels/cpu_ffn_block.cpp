@@ -25,24 +25,27 @@ void swiglu(const float* gu, int64_t n, int64_t I, float* act) {
 // s [T, H] fp32 -> s' [T, H] fp32, a dense SwiGLU MLP:
 //   f = bf16(rms(s) * pre_gain);  b = bf16(bf16(silu(bf16(f Wg^T)) * bf16(f Wu^T)) Wd^T);
 //   s' = alpha * s + beta * rms(b * post_gain)   (the input-scaled post-norm, post_eps).
-Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor& w_gate, const Tensor& w_up,
-                 const Tensor& w_down, const Tensor& post_gain, double post_eps, const Tensor& alpha,
-                 const Tensor& beta) {
+Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::TensorList gate_proj,
+                 at::TensorList up_proj, at::TensorList down_proj, const Tensor& post_gain, double post_eps,
+                 const Tensor& alpha, const Tensor& beta) {
   check_stream(s, "ffn_dense");
-  const int64_t T = s.size(0), H = s.size(1), I = w_gate.size(0);
+  const Weight w_gate = weight_arg(gate_proj, false, "ffn_dense: gate_proj"),
+               w_up = weight_arg(up_proj, false, "ffn_dense: up_proj"),
+               w_down = weight_arg(down_proj, false, "ffn_dense: down_proj");
+  const int64_t T = s.size(0), H = s.size(1), I = w_gate.N;
   check_vector(pre_gain, H, "ffn_dense: pre_gain");
   check_vector(post_gain, H, "ffn_dense: post_gain");
-  check_weight(w_gate, I, H, "ffn_dense: gate_proj");
-  check_weight(w_up, I, H, "ffn_dense: up_proj");
-  check_weight(w_down, H, I, "ffn_dense: down_proj");
+  check_shape(w_gate, I, H, "ffn_dense: gate_proj");
+  check_shape(w_up, I, H, "ffn_dense: up_proj");
+  check_shape(w_down, H, I, "ffn_dense: down_proj");
   TORCH_CHECK(I % 8 == 0, "ffn_dense: intermediate size must be a multiple of 8");
   check_residual(s, alpha, beta);
   std::vector<float> f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps));
   std::vector<float> gu(T * 2 * I), act(T * I), b(T * H);
-  run_jobs({job(f.data(), T, H, w_gate, gu.data(), 2 * I), job(f.data(), T, H, w_up, gu.data() + I, 2 * I)});
+  run_jobs({w_gate.job(f.data(), T, gu.data(), 2 * I), w_up.job(f.data(), T, gu.data() + I, 2 * I)});
   round_all(gu.data(), T * 2 * I);
   swiglu(gu.data(), T, I, act.data());
-  run_jobs({job(act.data(), T, I, w_down, b.data(), H)});
+  run_jobs({w_down.job(act.data(), T, b.data(), H)});
   round_all(b.data(), T * H);
   return residual(s, b.data(), post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta);
 }
@@ -80,29 +83,31 @@ void route_row(const float* logits, const float* bias, int64_t E, int64_t top_k,
 // `eps` is rms_norm_eps (pre-norm, pre-expert norm), `post_eps` post_norm_eps (per-expert
 // post-norm and the block's post-norm).
 Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor& router, const Tensor& bias,
-               int64_t top_k, double output_multiplier, double routed_scaling, const Tensor& w_pre,
-               const Tensor& expert_in_gain, const Tensor& gate_up, const Tensor& down, const Tensor& expert_out_gain,
-               const Tensor& w_post, const Tensor& post_gain, double post_eps, const Tensor& alpha,
-               const Tensor& beta) {
+               int64_t top_k, double output_multiplier, double routed_scaling, at::TensorList pre_expert_proj,
+               const Tensor& expert_in_gain, at::TensorList gate_up_proj, at::TensorList down_proj,
+               const Tensor& expert_out_gain, at::TensorList post_expert_proj, const Tensor& post_gain,
+               double post_eps, const Tensor& alpha, const Tensor& beta) {
   check_stream(s, "ffn_moe");
-  const int64_t T = s.size(0), H = s.size(1), E = router.size(0), Hm = w_pre.size(0);
+  const Weight w_pre = weight_arg(pre_expert_proj, false, "ffn_moe: pre_expert_proj"),
+               w_post = weight_arg(post_expert_proj, false, "ffn_moe: post_expert_proj"),
+               gate_up = weight_arg(gate_up_proj, true, "ffn_moe: gate_up"),
+               down = weight_arg(down_proj, true, "ffn_moe: down");
+  const int64_t T = s.size(0), H = s.size(1), E = router.size(0), Hm = w_pre.N;
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous() &&
                   router.size(1) == H,
               "ffn_moe: router must be a contiguous float32 [E, ", H, "]");
   TORCH_CHECK(top_k >= 1 && top_k <= E, "ffn_moe: top_k must be in [1, E]");
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.scalar_type() == at::kBFloat16 &&
-                  down.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() && down.is_contiguous(),
-              "ffn_moe: gate_up and down must be contiguous bfloat16 [E, 2I, Hm] and [E, Hm, I]");
-  const int64_t I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(0) == E && gate_up.size(2) == Hm && down.size(0) == E && down.size(1) == Hm &&
-                  down.size(2) == I && Hm % 8 == 0 && I % 8 == 0,
-              "ffn_moe: expert shapes disagree with the router and pooler (or Hm, I not multiples of 8)");
+  const int64_t I = gate_up.N / 2;
+  TORCH_CHECK(gate_up.E == E && gate_up.K == Hm && down.E == E && down.N == Hm && down.K == I && Hm % 8 == 0 &&
+                  I % 8 == 0,
+              "ffn_moe: gate_up and down must be [E, 2I, Hm] and [E, Hm, I] (as bf16 elements): their shapes disagree "
+              "with the router and pooler (or Hm, I are not multiples of 8)");
   check_vector(pre_gain, H, "ffn_moe: pre_gain");
   check_vector(bias, E, "ffn_moe: bias");
-  check_weight(w_pre, Hm, H, "ffn_moe: pre_expert_proj");
+  check_shape(w_pre, Hm, H, "ffn_moe: pre_expert_proj");
   check_vector(expert_in_gain, Hm, "ffn_moe: expert_in_gain");
   check_vector(expert_out_gain, Hm, "ffn_moe: expert_out_gain");
-  check_weight(w_post, H, Hm, "ffn_moe: post_expert_proj");
+  check_shape(w_post, H, Hm, "ffn_moe: post_expert_proj");
   check_vector(post_gain, H, "ffn_moe: post_gain");
   check_residual(s, alpha, beta);
   const float e = static_cast<float>(eps), pe = static_cast<float>(post_eps);
@@ -110,7 +115,7 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
 
   // Router logits and the pooler in one region.
   std::vector<float> logits(T * E), u(T * Hm);
-  run_jobs({job(f.data(), T, H, router, logits.data(), E), job(f.data(), T, H, w_pre, u.data(), Hm)});
+  run_jobs({musespark_gemv::job(f.data(), T, H, router, logits.data(), E), w_pre.job(f.data(), T, u.data(), Hm)});
   const int64_t A = T * top_k;  // assignments, (t, j) order, j in increasing expert id
   std::vector<int64_t> ids(A);
   std::vector<float> weights(A);
@@ -134,14 +139,12 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
   }
   std::vector<float> xs(A * Hm), gu(A * 2 * I), act(A * I), ys(A * Hm);
   for (int64_t r = 0; r < A; ++r) std::copy_n(u.data() + (order[r] / top_k) * Hm, Hm, xs.data() + r * Hm);
-  const auto* gup = gate_up.data_ptr<at::BFloat16>();
-  const auto* dnp = down.data_ptr<at::BFloat16>();
   std::vector<Job> up_jobs, down_jobs;
   for (int64_t x = 0; x < E; ++x) {
     const int64_t r0 = start[x], n = start[x + 1] - r0;
     if (n == 0) continue;
-    up_jobs.push_back(Job{xs.data() + r0 * Hm, n, Hm, gup + x * 2 * I * Hm, true, 2 * I, gu.data() + r0 * 2 * I, 2 * I});
-    down_jobs.push_back(Job{act.data() + r0 * I, n, I, dnp + x * Hm * I, true, Hm, ys.data() + r0 * Hm, Hm});
+    up_jobs.push_back(gate_up.job(xs.data() + r0 * Hm, n, gu.data() + r0 * 2 * I, 2 * I, x));
+    down_jobs.push_back(down.job(act.data() + r0 * I, n, ys.data() + r0 * Hm, Hm, x));
   }
   run_jobs(up_jobs);
   round_all(gu.data(), A * 2 * I);
@@ -166,7 +169,7 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     }
     round_all(mr, Hm);
   });
-  run_jobs({job(m.data(), T, Hm, w_post, b.data(), H)});
+  run_jobs({w_post.job(m.data(), T, b.data(), H)});
   round_all(b.data(), T * H);
   return residual(s, b.data(), post_gain.data_ptr<float>(), pe, alpha, beta);
 }
@@ -174,11 +177,11 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
-  m.def("ffn_dense(Tensor s, Tensor pre_gain, float eps, Tensor w_gate, Tensor w_up, Tensor w_down, "
+  m.def("ffn_dense(Tensor s, Tensor pre_gain, float eps, Tensor[] w_gate, Tensor[] w_up, Tensor[] w_down, "
         "Tensor post_gain, float post_eps, Tensor alpha, Tensor beta) -> Tensor");
   m.def("ffn_moe(Tensor s, Tensor pre_gain, float eps, Tensor router, Tensor bias, int top_k, "
-        "float output_multiplier, float routed_scaling, Tensor w_pre, Tensor expert_in_gain, Tensor gate_up, "
-        "Tensor down, Tensor expert_out_gain, Tensor w_post, Tensor post_gain, float post_eps, Tensor alpha, "
+        "float output_multiplier, float routed_scaling, Tensor[] w_pre, Tensor expert_in_gain, Tensor[] gate_up, "
+        "Tensor[] down, Tensor expert_out_gain, Tensor[] w_post, Tensor post_gain, float post_eps, Tensor alpha, "
         "Tensor beta) -> Tensor");
 }
 

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include "cpu_isa.h"
+#include "cpu_nvfp4.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -97,9 +98,12 @@ inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_
   }
 }
 
-// One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32.
+// One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32, or
+// NVFP4 (`scales` set; cpu_nvfp4.cpp states the numerics): w = codes uint8 [N, K/2],
+// scales e4m3 bytes [N, K/16], G global scales, rows [g N/G, (g+1) N/G) using globals[g].
 // x_bf16: every x value is a bf16 value (the fused blocks round what they multiply), so
-// the product may run on bf16 hardware without changing any input.
+// the product may run on bf16 hardware without changing any input; for NVFP4 it also
+// means the model is bf16, so the decoded weights are rounded to bf16 as the reference does.
 struct Job {
   const float* x;
   int64_t M, K;
@@ -109,9 +113,51 @@ struct Job {
   float* y;
   int64_t ldy;
   bool x_bf16 = true;
+  const uint8_t* scales = nullptr;
+  const float* globals = nullptr;
+  int64_t G = 1;
   int64_t tiles() const { return (N + kNR - 1) / kNR; }
-  bool avx512() const { return w_bf16 && x_bf16 && musespark_isa::avx512_bf16(); }
+  bool nvfp4() const { return scales != nullptr; }
+  bool avx512() const { return !nvfp4() && w_bf16 && x_bf16 && musespark_isa::avx512_bf16(); }
 };
+
+// What the NVFP4 jobs of one run_jobs call share: x permuted to the decode order (one copy
+// per distinct x) and each job's magnitude tables.
+struct Nvfp4Inputs {
+  std::vector<std::vector<float>> x;
+  std::vector<std::vector<float>> tables;  // per job (empty for other jobs)
+  std::vector<int> which;                  // per job: its permuted x, or -1
+};
+
+inline Nvfp4Inputs nvfp4_inputs(const std::vector<Job>& jobs) {
+  Nvfp4Inputs in;
+  in.tables.resize(jobs.size());
+  in.which.assign(jobs.size(), -1);
+  const bool avx512 = musespark_isa::avx512_bf16();
+  std::vector<const float*> seen;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    const Job& b = jobs[j];
+    if (!b.nvfp4() || b.M == 0) continue;
+    in.tables[j] = musespark_nvfp4::tables_for(b.globals, b.G, b.x_bf16, avx512);
+    for (size_t i = 0; i < seen.size(); ++i)
+      if (seen[i] == b.x && in.x[i].size() == static_cast<size_t>(b.M * b.K)) in.which[j] = static_cast<int>(i);
+    if (in.which[j] >= 0) continue;
+    in.which[j] = static_cast<int>(in.x.size());
+    seen.push_back(b.x);
+    in.x.push_back(musespark_nvfp4::permute_x(b.x, b.M, b.K, avx512));
+  }
+  return in;
+}
+
+// Rows [n0, n1) of an NVFP4 job.
+inline void nvfp4_rows(const Job& b, const Nvfp4Inputs& in, size_t j, int64_t n0, int64_t n1) {
+  const float* xp = in.x[in.which[j]].data();
+  const auto* codes = static_cast<const uint8_t*>(b.w);
+  if (musespark_isa::avx512_bf16())
+    musespark_avx512::nvfp4_rows(xp, b.M, b.K, codes, b.scales, in.tables[j].data(), b.N / b.G, b.ldy, n0, n1, b.y);
+  else
+    musespark_nvfp4::rows(xp, b.M, b.K, codes, b.scales, in.tables[j].data(), b.N / b.G, b.ldy, n0, n1, b.y);
+}
 
 // x as bf16 bits (exact: x_bf16 says every value is one), one copy per distinct x.
 inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jobs, std::vector<int>& which) {
@@ -140,17 +186,21 @@ inline void run_jobs(const std::vector<Job>& jobs) {
   for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
   std::vector<int> which;
   const auto xb = bf16_inputs(jobs, which);
+  const Nvfp4Inputs q = nvfp4_inputs(jobs);
   at::parallel_for(0, first.back(), 16, [&](int64_t t0, int64_t t1) {
     size_t j = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first[j + 1]) ++j;
       const Job& b = jobs[j];
       const int64_t n0 = (t - first[j]) * kNR;
-      if (which[j] >= 0) {  // this job's tiles in [t, t1) in one call (it chunks x by itself)
+      if (which[j] >= 0 || b.nvfp4()) {  // this job's tiles in [t, t1) in one call
         const int64_t t_end = std::min(t1, first[j + 1]);
         const int64_t n1 = std::min(b.N, (t_end - first[j]) * kNR);
-        musespark_avx512::bf16_dots(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1, b.y,
-                                    b.ldy);
+        if (b.nvfp4())
+          nvfp4_rows(b, q, j, n0, n1);
+        else  // bf16_dots chunks x by itself
+          musespark_avx512::bf16_dots(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1,
+                                      b.y, b.ldy);
         t = t_end - 1;
         continue;
       }
