@@ -178,6 +178,12 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
 
 @needs_ops
 def test_fused_model_matches_the_module_path(kernel_path):
+    """bf16: on random weights, where two experts' scores nearly tie, a different fp32
+    summation order can flip an expert choice and move that position's logits (and, through
+    attention, later ones) by O(1) (test_parity's bf16 note); so the typical position is
+    held to 1% and the greedy choices to 90% agreement. fp32 (the fused blocks on every row,
+    as decode runs them): no bf16 rounding amplifies a difference, so every position is
+    held to 1e-4 of the logit scale: the blocks' formulas are the reference's."""
     model = _random_model(seed=11, num_hidden_layers=5,
                           mlp_layer_types=("dense", "sparse", "sparse", "sparse", "sparse"))
     reference, native = _backends(model)
@@ -187,8 +193,25 @@ def test_fused_model_matches_the_module_path(kernel_path):
         fused = model.prompt_logits(ids)
         model.backend = reference
         plain = model.prompt_logits(ids)
-    assert (fused - plain).abs().max() <= 3e-2 * plain.abs().max()
-    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.95
+    per_position = (fused - plain).abs().amax(-1) / plain.abs().max()
+    assert per_position.median() <= 1e-2, per_position
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+
+    from musespark.backends import cpu_backend
+    model = model.float()
+    reference, native = _backends(model)
+    saved = cpu_backend.FP32_FUSED_MAX_ROWS
+    cpu_backend.FP32_FUSED_MAX_ROWS = 1 << 30
+    try:
+        with torch.inference_mode():
+            model.backend = native
+            fused = model.prompt_logits(ids)
+    finally:
+        cpu_backend.FP32_FUSED_MAX_ROWS = saved
+    with torch.inference_mode():
+        model.backend = reference
+        plain = model.prompt_logits(ids)
+    assert (fused - plain).abs().max() <= 1e-4 * plain.abs().max()
 
 
 @needs_ops
@@ -201,7 +224,7 @@ def test_fused_blocks_name_the_bad_argument():
     rows = attn.k_proj.weight.shape[0]
     cases = {  # a bad k_proj argument -> what the message must say
         "k_proj must be \\[": [torch.zeros(rows, 8, dtype=torch.bfloat16)],
-        "k_proj must be bfloat16": [attn.k_proj.weight.float()],
+        "k_proj must be bfloat16 or float32": [attn.k_proj.weight.half()],
         "k_proj: expected \\[bf16 weight\\]": [attn.k_proj.weight, attn.k_proj.weight],
         "k_proj: NVFP4 codes must be uint8": [attn.k_proj.weight, torch.zeros(rows, 16, dtype=torch.uint8),
                                               torch.ones(1)],

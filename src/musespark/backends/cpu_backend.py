@@ -1,23 +1,27 @@
-"""The cpu backend: the native kernels of `kernels/` on x86-64 CPUs with AVX2 and FMA.
+"""The cpu backend: the native kernels of `kernels/` on x86-64 CPUs (AVX2+FMA; AVX-512-BF16
+where the CPU has it, chosen at load: kernels/cpu_isa.h).
 
-For bf16 models with dense weights and widths that are multiples of 8, each decoder layer
-is four native calls around the attention (`attn_in`, `attn_out`, `ffn_dense`/`ffn_moe`:
-kernels/cpu_attn_block.cpp, cpu_ffn_block.cpp), with the same formulas and the same bf16
-roundings as the torch backend; the embedding norm, final norm and LM head are native too.
-Every row is computed alone, so a request's tokens never depend on its batch.
+For bf16 and fp32 models whose linears and experts are dense or weight-only NVFP4 and whose
+widths are multiples of 8, each decoder layer is four native calls around the attention
+(`attn_in`, `attn_out`, `ffn_dense`/`ffn_moe`: kernels/cpu_attn_block.cpp, cpu_ffn_block.cpp),
+with the same formulas and the same roundings as the torch backend (a bf16 model rounds to
+bf16 where PyTorch would; an fp32 model rounds nothing); the embedding norm, final norm and
+LM head are native too. Every row is computed alone, so a request's tokens never depend on
+its batch (NVFP4 outside the fused blocks excepted: see below).
+
+fp32 decode leaves MKL: under the exactness rule of the CPU-speed issue (our fp32 logits no
+further from a float64 evaluation than the PyTorch/MKL path's, over the oracle configs;
+`benchmarks/fp32_exactness.py`) the native fp32 blocks qualify (fp32 weights accumulate in
+double), and they read weights faster than MKL's GEMV. fp32 prefills (more than
+`FP32_FUSED_MAX_ROWS` rows) keep MKL, so an fp32 request's tokens may depend on whether
+its step was decode-sized (bf16 ones never do).
 
 Decode rows attend through the native paged decode kernel for bf16 and fp32 caches.
 
-NVFP4 models (weight-only mode): the steps run the torch backend's reference code, but every
-product of an NVFP4 linear or NVFP4 experts module with at most `NVFP4_NATIVE_MAX_ROWS` rows
-of bf16/fp32 activations goes to the native weight-only kernel (`nvfp4_linear`,
-kernels/cpu_nvfp4.cpp), which decodes the packed weight on the fly: the same decoded values
-and products as `Nvfp4Linear`/`Nvfp4Experts.apply`, summed in a different fp32 order. How:
-`_NativeNvfp4` below; a dense LM head keeps the native head kernel.
-
-Everything else (fp32 and fp16 layers, other widths, w4a4 NVFP4, larger NVFP4 batches) is
-the torch backend's reference code: fp32 keeps MKL, as transformers does (README, "CPU
-kernels", says why).
+NVFP4 modules outside the fused blocks (other widths, fp16): every product with at most
+`NVFP4_NATIVE_MAX_ROWS` rows goes to the native weight-only kernel (`nvfp4_linear`,
+kernels/cpu_nvfp4.cpp) through `_NativeNvfp4` below; larger batches decode the weight once
+and use the reference GEMM. w4a4 NVFP4 and everything else is the torch backend's code.
 """
 
 from __future__ import annotations
@@ -42,6 +46,15 @@ if TYPE_CHECKING:
     from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
 
 _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float32)
+# fp32 steps with more rows than this (prefills) keep the torch reference: MKL's fp32 GEMM is
+# faster there than the native products (which accumulate fp32 weights in double), and its
+# logits are the ones transformers computes (oracle parity). Decode-sized fp32 steps are
+# bound by reading the weights, where the native blocks are faster than MKL's GEMV.
+FP32_FUSED_MAX_ROWS = 16
+
+
+def _fused_dtype(dtype: torch.dtype, rows: int) -> bool:
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and rows <= FP32_FUSED_MAX_ROWS)
 # Most activation rows an NVFP4 product sends to the native kernel (decode batches, short
 # prefills); larger ones decode the weight once and use the reference GEMM.
 NVFP4_NATIVE_MAX_ROWS = 16
@@ -192,14 +205,14 @@ class CpuBackend(TorchBackend):
 
     def attn_in(self, layer: "DecoderLayer", s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not (self.fused_blocks and dtype == torch.bfloat16):
+        if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_in(layer, s, rotary, dtype)
         attn, norm = layer.self_attn, layer.input_layernorm
         cos, sin = rotary or (None, None)
         return self.ops.attn_in(s, norm.gain(), norm.eps, _weight(attn.q_proj), _weight(attn.k_proj),
                                 _weight(attn.v_proj), _weight(attn.gate_proj), attn.num_heads, attn.num_kv_heads,
-                                attn.qk_scale, cos, sin)
+                                attn.qk_scale, cos, sin, dtype == torch.bfloat16)
 
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -209,7 +222,7 @@ class CpuBackend(TorchBackend):
                                decode=self.ops.paged_decode_attention if native else None)
 
     def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        if not (self.fused_blocks and o.dtype == torch.bfloat16):
+        if not (self.fused_blocks and _fused_dtype(o.dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_out(layer, s, o, g)
         attn = layer.self_attn
@@ -218,18 +231,18 @@ class CpuBackend(TorchBackend):
                                  layer.post_norm_eps)
 
     def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not (self.fused_blocks and dtype == torch.bfloat16):
+        if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().dense_ffn(layer, s, dtype)
         mlp, pre, post = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
         alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
         return self.ops.ffn_dense(s, pre.gain(), pre.eps, _weight(mlp.gate_proj), _weight(mlp.up_proj),
-                                  _weight(mlp.down_proj), post.gain(), post.eps, alpha, beta)
+                                  _weight(mlp.down_proj), post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16)
 
     def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
         and one for the per-expert and block post-norms (both post_norm_eps)."""
-        if not (self.fused_blocks and dtype == torch.bfloat16):
+        if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().moe_ffn(layer, s, dtype)
         mlp: SparseMoeBlock = layer.mlp
@@ -240,16 +253,17 @@ class CpuBackend(TorchBackend):
                                 router.top_k, router.output_multiplier, router.routed_scaling_factor,
                                 _weight(mlp.pre_expert_proj), mlp.pre_expert_norm.gain(), *_expert_weights(experts),
                                 experts.post_expert_norm.gain(), _weight(mlp.post_expert_proj),
-                                post.gain(), post.eps, alpha, beta)
+                                post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16)
 
     def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if dtype != torch.bfloat16:
+        if not _fused_dtype(dtype, s.shape[0]):
             return super().final_norm(model, s, dtype)
         norm = model.norm
         return self.ops.rms_norm(s, norm.gain(), norm.eps, False, 1.0, dtype)
 
     def logits(self, model: "MuseSparkForCausalLM", y: torch.Tensor) -> torch.Tensor:
-        if not (self.native_head and y.dtype == torch.bfloat16 and y.shape[0] > 0):
+        if not (self.native_head and _fused_dtype(y.dtype, y.shape[0]) and y.dtype == model.lm_head.weight.dtype
+                and y.shape[0] > 0):
             with self.nvfp4.native(model):
                 return super().logits(model, y)
         cap = model.config.final_logit_softcapping

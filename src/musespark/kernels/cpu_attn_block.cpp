@@ -12,7 +12,8 @@ namespace {
 
 using namespace musespark_block;
 
-// s [T, H] fp32 -> (q [T, nH, D], k [T, nKV, D], v [T, nKV, D], g [T, nH, D]) bf16:
+// s [T, H] fp32 -> (q [T, nH, D], k [T, nKV, D], v [T, nKV, D], g [T, nH, D]) bf16 (fp32 when
+// `bf16` is false: an fp32 model, every "bf16(...)" below is then the fp32 value itself):
 //   h = bf16(rms(s) * gain);  q, k, v, g = bf16(h W^T);
 //   q = bf16(rope(rms(q_head) * qk_scale)), k = bf16(rope(rms(k_head))) (no rope without cos/sin).
 // `eps` is the model's rms_norm_eps (input norm and QK-norm).
@@ -20,7 +21,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
                                                    at::TensorList k_proj, at::TensorList v_proj, at::TensorList gate_proj,
                                                    int64_t num_heads, int64_t num_kv_heads, double qk_scale,
                                                    const c10::optional<Tensor>& cos,
-                                                   const c10::optional<Tensor>& sin) {
+                                                   const c10::optional<Tensor>& sin, bool bf16) {
   check_stream(s, "attn_in");
   const int64_t T = s.size(0), H = s.size(1);
   const Weight wq = weight_arg(q_proj, false, "attn_in: q_proj"), wk = weight_arg(k_proj, false, "attn_in: k_proj"),
@@ -42,72 +43,74 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
                   "attn_in: cos/sin must be contiguous float32 [T, head_dim]");
   }
   const float e = static_cast<float>(eps);
-  std::vector<float> h = pre_norm(s.data_ptr<float>(), T, H, gain.data_ptr<float>(), e);
+  std::vector<float> h = pre_norm(s.data_ptr<float>(), T, H, gain.data_ptr<float>(), e, bf16);
   // One row of `proj` is [q | k | v | g].
   const int64_t W = (2 * nH + 2 * nKV) * D, ok = nH * D, ov = ok + nKV * D, og = ov + nKV * D;
   std::vector<float> proj(T * W);
-  run_jobs({wq.job(h.data(), T, proj.data(), W), wk.job(h.data(), T, proj.data() + ok, W),
-            wv.job(h.data(), T, proj.data() + ov, W), wg.job(h.data(), T, proj.data() + og, W)});
-  auto opts = s.options().dtype(at::kBFloat16);
+  run_jobs({wq.job(h.data(), T, proj.data(), W, bf16), wk.job(h.data(), T, proj.data() + ok, W, bf16),
+            wv.job(h.data(), T, proj.data() + ov, W, bf16), wg.job(h.data(), T, proj.data() + og, W, bf16)});
+  // Computed in fp32 and rounded once at the end (bf16 models).
+  auto opts = s.options();
   Tensor q = at::empty({T, nH, D}, opts), k = at::empty({T, nKV, D}, opts), v = at::empty({T, nKV, D}, opts),
          g = at::empty({T, nH, D}, opts);
-  auto *qp = q.data_ptr<at::BFloat16>(), *kp = k.data_ptr<at::BFloat16>(), *vp = v.data_ptr<at::BFloat16>(),
-       *gp = g.data_ptr<at::BFloat16>();
+  auto *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *gp = g.data_ptr<float>();
   const float* cp = rope ? cos->data_ptr<float>() : nullptr;
   const float* sp = rope ? sin->data_ptr<float>() : nullptr;
   const float qs = static_cast<float>(qk_scale);
   for_rows(T, 3 * D, [&](int64_t t, float* tmp) {
     float* row = proj.data() + t * W;
-    round_all(row, W);  // the projections' outputs are bf16
-    float *r = tmp, *scratch = tmp + D, *norm = tmp + 2 * D;
-    auto head = [&](const float* x, float scale, at::BFloat16* out) {
-      rms_row(x, D, nullptr, e, false, scale, norm, r);
-      if (rope) rope_row(r, cp + t * D, sp + t * D, D, scratch);
-      for (int64_t i = 0; i < D; ++i) out[i] = at::BFloat16(r[i]);
+    round_all(row, W, bf16);  // the projections' outputs are in the model's dtype
+    float *scratch = tmp, *norm = tmp + D;
+    auto head = [&](const float* x, float scale, float* out) {
+      rms_row(x, D, nullptr, e, false, scale, norm, out, !bf16);
+      if (rope) rope_row(out, cp + t * D, sp + t * D, D, scratch);
     };
     for (int64_t i = 0; i < nH; ++i) head(row + i * D, qs, qp + (t * nH + i) * D);
     for (int64_t i = 0; i < nKV; ++i) head(row + ok + i * D, 1.f, kp + (t * nKV + i) * D);
-    for (int64_t i = 0; i < nKV * D; ++i) vp[t * nKV * D + i] = at::BFloat16(row[ov + i]);
-    for (int64_t i = 0; i < nH * D; ++i) gp[t * nH * D + i] = at::BFloat16(row[og + i]);
+    std::copy_n(row + ov, nKV * D, vp + t * nKV * D);
+    std::copy_n(row + og, nH * D, gp + t * nH * D);
   });
-  return {q, k, v, g};
+  if (!bf16) return {q, k, v, g};
+  return {q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16), g.to(at::kBFloat16)};
 }
 
-// s [T, H] fp32, o and g [T, nH, D] bf16 -> s' [T, H] fp32:
+// s [T, H] fp32, o and g [T, nH, D] bf16 (an fp32 model: fp32, nothing rounded) -> s' [T, H] fp32:
 //   x = bf16(rms(o_head) * sigmoid(g));  a = bf16(x Wo^T);  s' = alpha * s + beta * rms(a).
 // `eps` is the O-norm's (rms_norm_eps), `post_eps` the weightless post-attention norm's.
 Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorList o_proj, double eps,
                 const Tensor& alpha, const Tensor& beta, double post_eps) {
   check_stream(s, "attn_out");
   const int64_t T = s.size(0), H = s.size(1);
-  TORCH_CHECK(o.dim() == 3 && o.size(0) == T && o.scalar_type() == at::kBFloat16 && o.is_contiguous() &&
-                  g.sizes() == o.sizes() && g.scalar_type() == at::kBFloat16 && g.is_contiguous(),
-              "attn_out: o and g must be contiguous bfloat16 [T, heads, head_dim] alike");
+  const bool bf16 = o.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(o.dim() == 3 && o.size(0) == T && (bf16 || o.scalar_type() == at::kFloat) && o.is_contiguous() &&
+                  g.sizes() == o.sizes() && g.scalar_type() == o.scalar_type() && g.is_contiguous(),
+              "attn_out: o and g must be contiguous bfloat16 (or float32) [T, heads, head_dim] alike");
   const int64_t nH = o.size(1), D = o.size(2);
   const Weight wo = weight_arg(o_proj, false, "attn_out: o_proj");
   check_shape(wo, H, nH * D, "attn_out: o_proj");
   check_residual(s, alpha, beta);
   const float e = static_cast<float>(eps);
   std::vector<float> x(T * nH * D), a(T * H);
-  const auto *op = o.data_ptr<at::BFloat16>(), *gp = g.data_ptr<at::BFloat16>();
+  const Tensor of = o.to(at::kFloat), gf = g.to(at::kFloat);  // exact widening (bf16)
+  const float *op = of.data_ptr<float>(), *gp = gf.data_ptr<float>();
   for_rows(T, D, [&](int64_t t, float* tmp) {
     for (int64_t i = 0; i < nH; ++i) {
       const int64_t base = (t * nH + i) * D;
-      rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x.data() + base);
-      for (int64_t j = 0; j < D; ++j)
-        x[base + j] = round_bf16(x[base + j] * sigmoid(static_cast<float>(gp[base + j])));
+      rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x.data() + base, !bf16);
+      for (int64_t j = 0; j < D; ++j) x[base + j] = x[base + j] * sigmoid(gp[base + j]);
+      round_all(x.data() + base, D, bf16);
     }
   });
-  run_jobs({wo.job(x.data(), T, a.data(), H)});
-  round_all(a.data(), T * H);
-  return residual(s, a.data(), nullptr, static_cast<float>(post_eps), alpha, beta);
+  run_jobs({wo.job(x.data(), T, a.data(), H, bf16)});
+  round_all(a.data(), T * H, bf16);
+  return residual(s, a.data(), nullptr, static_cast<float>(post_eps), alpha, beta, bf16);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("attn_in(Tensor s, Tensor gain, float eps, Tensor[] wq, Tensor[] wk, Tensor[] wv, Tensor[] wg, int num_heads, "
-        "int num_kv_heads, float qk_scale, Tensor? cos, Tensor? sin) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int num_kv_heads, float qk_scale, Tensor? cos, Tensor? sin, bool bf16=True) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attn_out(Tensor s, Tensor o, Tensor g, Tensor[] wo, float eps, Tensor alpha, Tensor beta, float post_eps) "
         "-> Tensor");
 }

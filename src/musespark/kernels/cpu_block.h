@@ -40,21 +40,22 @@ using musespark_rows::sigmoid;
 
 constexpr int64_t kRowGrain = 16;  // rows per task in row loops (T = 1 runs inline)
 
-// A weight argument of the fused blocks (schema `Tensor[]`): [w], a contiguous bf16 matrix
-// [N, K] (experts: [E, N, K]), or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
+// A weight argument of the fused blocks (schema `Tensor[]`): [w], a contiguous bf16 or fp32
+// matrix [N, K] (experts: [E, N, K]), or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
 // [(E,) N, K/2], block scales float8_e4m3fn or uint8 [(E,) N, K/16], global scales fp32 with
 // (E x) G elements, G dividing N]. Views into the tensors: they must outlive the call.
 struct Weight {
-  const uint8_t* w = nullptr;  // bf16 elements or NVFP4 codes
+  const uint8_t* w = nullptr;  // bf16 or fp32 elements, or NVFP4 codes
   const uint8_t* scales = nullptr;
   const float* globals = nullptr;
   int64_t E = 0, N = 0, K = 0, G = 1;
   int64_t w_stride = 0, s_stride = 0;  // bytes per expert
+  bool fp32 = false;
 
   bool nvfp4() const { return scales != nullptr; }
-  // y[M, N] (row stride ldy) = x[M, K] @ W[e]^T; x holds bf16 values.
-  Job job(const float* x, int64_t M, float* y, int64_t ldy, int64_t e = 0) const {
-    Job j{x, M, K, w + e * w_stride, !nvfp4(), N, y, ldy, true};
+  // y[M, N] (row stride ldy) = x[M, K] @ W[e]^T; bf16: x holds bf16 values (a bf16 model).
+  Job job(const float* x, int64_t M, float* y, int64_t ldy, bool bf16, int64_t e = 0) const {
+    Job j{x, M, K, w + e * w_stride, !nvfp4() && !fp32, N, y, ldy, bf16};
     if (nvfp4()) {
       j.scales = scales + e * s_stride;
       j.globals = globals + e * G;
@@ -77,9 +78,11 @@ inline Weight weight_arg(at::TensorList parts, bool experts, const char* name) {
   w.N = a.size(d - 2);
   w.w = static_cast<const uint8_t*>(a.data_ptr());
   if (parts.size() == 1) {
-    TORCH_CHECK(a.scalar_type() == at::kBFloat16, name, " must be bfloat16 (or NVFP4), got ", a.scalar_type());
+    TORCH_CHECK(a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kFloat, name,
+                " must be bfloat16 or float32 (or NVFP4), got ", a.scalar_type());
+    w.fp32 = a.scalar_type() == at::kFloat;
     w.K = a.size(d - 1);
-    w.w_stride = w.N * w.K * 2;
+    w.w_stride = w.N * w.K * static_cast<int64_t>(a.element_size());
     return w;
   }
   const Tensor &sc = parts[1], &gl = parts[2];
@@ -116,7 +119,9 @@ inline void check_stream(const Tensor& s, const char* op) {
               ": s must be the contiguous float32 stream [T, H], H a multiple of 8");
 }
 
-inline void round_all(float* p, int64_t n) {
+// Rounds to bf16 what a bf16 model stores; an fp32 model stores fp32 (nothing to do).
+inline void round_all(float* p, int64_t n, bool bf16) {
+  if (!bf16) return;
   for (int64_t i = 0; i < n; ++i) p[i] = round_bf16(p[i]);
 }
 
@@ -129,26 +134,26 @@ void for_rows(int64_t T, int64_t scratch, const F& f) {
   });
 }
 
-// h[t] = bf16(rms(s[t]) * gain), kept as floats for the products.
-inline std::vector<float> pre_norm(const float* s, int64_t T, int64_t H, const float* gain, float eps) {
+// h[t] = bf16(rms(s[t]) * gain) (fp32 models: unrounded), kept as floats for the products.
+inline std::vector<float> pre_norm(const float* s, int64_t T, int64_t H, const float* gain, float eps, bool bf16) {
   std::vector<float> h(T * H);
   for_rows(T, H, [&](int64_t t, float* tmp) {
-    rms_row(s + t * H, H, gain, eps, false, 1.f, tmp, h.data() + t * H);
-    round_all(h.data() + t * H, H);
+    rms_row(s + t * H, H, gain, eps, false, 1.f, tmp, h.data() + t * H, !bf16);
+    round_all(h.data() + t * H, H, bf16);
   });
   return h;
 }
 
 // The stream update shared by both halves of a layer: s' = alpha * s + beta * norm(b),
-// norm weightless (gain null) or input-scaled by gain. b [T, H] holds bf16 values.
+// norm weightless (gain null) or input-scaled by gain. b [T, H] holds the model's values.
 inline Tensor residual(const Tensor& s, const float* b, const float* gain, float eps, const Tensor& alpha,
-                       const Tensor& beta) {
+                       const Tensor& beta, bool bf16) {
   const int64_t T = s.size(0), H = s.size(1);
   Tensor out = s.clone();
   float* op = out.data_ptr<float>();
   const float *ap = alpha.data_ptr<float>(), *bp = beta.data_ptr<float>();
   for_rows(T, 2 * H, [&](int64_t t, float* tmp) {
-    rms_row(b + t * H, H, gain, eps, gain != nullptr, 1.f, tmp, tmp + H);
+    rms_row(b + t * H, H, gain, eps, gain != nullptr, 1.f, tmp, tmp + H, !bf16);
     gated_residual_row(op + t * H, tmp + H, ap, bp, H);
   });
   return out;

@@ -13,12 +13,14 @@ using namespace musespark_block;
 
 constexpr float kRouterEps = 1e-15f;  // added to the sum of the chosen scores
 
-// act = bf16(bf16(silu(gate)) * up) over n rows of [gate | up] (2I wide, bf16 values).
-void swiglu(const float* gu, int64_t n, int64_t I, float* act) {
+// act = bf16(bf16(silu(gate)) * up) over n rows of [gate | up] (2I wide, the model's values;
+// an fp32 model rounds nothing).
+void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
+  auto r16 = [bf16](float v) { return bf16 ? round_bf16(v) : v; };
   for (int64_t r = 0; r < n; ++r)
     for (int64_t i = 0; i < I; ++i) {
       const float gate = gu[r * 2 * I + i], up = gu[r * 2 * I + I + i];
-      act[r * I + i] = round_bf16(round_bf16(gate / (1.f + std::exp(-gate))) * up);
+      act[r * I + i] = r16(r16(gate / (1.f + std::exp(-gate))) * up);
     }
 }
 
@@ -27,7 +29,7 @@ void swiglu(const float* gu, int64_t n, int64_t I, float* act) {
 //   s' = alpha * s + beta * rms(b * post_gain)   (the input-scaled post-norm, post_eps).
 Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::TensorList gate_proj,
                  at::TensorList up_proj, at::TensorList down_proj, const Tensor& post_gain, double post_eps,
-                 const Tensor& alpha, const Tensor& beta) {
+                 const Tensor& alpha, const Tensor& beta, bool bf16) {
   check_stream(s, "ffn_dense");
   const Weight w_gate = weight_arg(gate_proj, false, "ffn_dense: gate_proj"),
                w_up = weight_arg(up_proj, false, "ffn_dense: up_proj"),
@@ -40,14 +42,15 @@ Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::Tensor
   check_shape(w_down, H, I, "ffn_dense: down_proj");
   TORCH_CHECK(I % 8 == 0, "ffn_dense: intermediate size must be a multiple of 8");
   check_residual(s, alpha, beta);
-  std::vector<float> f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps));
+  std::vector<float> f =
+      pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps), bf16);
   std::vector<float> gu(T * 2 * I), act(T * I), b(T * H);
-  run_jobs({w_gate.job(f.data(), T, gu.data(), 2 * I), w_up.job(f.data(), T, gu.data() + I, 2 * I)});
-  round_all(gu.data(), T * 2 * I);
-  swiglu(gu.data(), T, I, act.data());
-  run_jobs({w_down.job(act.data(), T, b.data(), H)});
-  round_all(b.data(), T * H);
-  return residual(s, b.data(), post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta);
+  run_jobs({w_gate.job(f.data(), T, gu.data(), 2 * I, bf16), w_up.job(f.data(), T, gu.data() + I, 2 * I, bf16)});
+  round_all(gu.data(), T * 2 * I, bf16);
+  swiglu(gu.data(), T, I, act.data(), bf16);
+  run_jobs({w_down.job(act.data(), T, b.data(), H, bf16)});
+  round_all(b.data(), T * H, bf16);
+  return residual(s, b.data(), post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta, bf16);
 }
 
 // Router for one token: scores = sigmoid(logits * multiplier); the top_k experts by
@@ -86,7 +89,7 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
                int64_t top_k, double output_multiplier, double routed_scaling, at::TensorList pre_expert_proj,
                const Tensor& expert_in_gain, at::TensorList gate_up_proj, at::TensorList down_proj,
                const Tensor& expert_out_gain, at::TensorList post_expert_proj, const Tensor& post_gain,
-               double post_eps, const Tensor& alpha, const Tensor& beta) {
+               double post_eps, const Tensor& alpha, const Tensor& beta, bool bf16) {
   check_stream(s, "ffn_moe");
   const Weight w_pre = weight_arg(pre_expert_proj, false, "ffn_moe: pre_expert_proj"),
                w_post = weight_arg(post_expert_proj, false, "ffn_moe: post_expert_proj"),
@@ -111,11 +114,11 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
   check_vector(post_gain, H, "ffn_moe: post_gain");
   check_residual(s, alpha, beta);
   const float e = static_cast<float>(eps), pe = static_cast<float>(post_eps);
-  std::vector<float> f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), e);
+  std::vector<float> f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), e, bf16);
 
   // Router logits and the pooler in one region.
   std::vector<float> logits(T * E), u(T * Hm);
-  run_jobs({musespark_gemv::job(f.data(), T, H, router, logits.data(), E), w_pre.job(f.data(), T, u.data(), Hm)});
+  run_jobs({musespark_gemv::job(f.data(), T, H, router, logits.data(), E, bf16), w_pre.job(f.data(), T, u.data(), Hm, bf16)});
   const int64_t A = T * top_k;  // assignments, (t, j) order, j in increasing expert id
   std::vector<int64_t> ids(A);
   std::vector<float> weights(A);
@@ -124,9 +127,9 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     route_row(logits.data() + t * E, bias.data_ptr<float>(), E, top_k, static_cast<float>(output_multiplier),
               static_cast<float>(routed_scaling), tmp, ids.data() + t * top_k, weights.data() + t * top_k);
     float* ur = u.data() + t * Hm;
-    round_all(ur, Hm);
-    rms_row(ur, Hm, in_gain, e, false, 1.f, tmp + E, ur);
-    round_all(ur, Hm);
+    round_all(ur, Hm, bf16);
+    rms_row(ur, Hm, in_gain, e, false, 1.f, tmp + E, ur, !bf16);
+    round_all(ur, Hm, bf16);
   });
 
   // Group the assignments by expert (counting sort, stable) so each expert's weights are read once.
@@ -143,14 +146,14 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
   for (int64_t x = 0; x < E; ++x) {
     const int64_t r0 = start[x], n = start[x + 1] - r0;
     if (n == 0) continue;
-    up_jobs.push_back(gate_up.job(xs.data() + r0 * Hm, n, gu.data() + r0 * 2 * I, 2 * I, x));
-    down_jobs.push_back(down.job(act.data() + r0 * I, n, ys.data() + r0 * Hm, Hm, x));
+    up_jobs.push_back(gate_up.job(xs.data() + r0 * Hm, n, gu.data() + r0 * 2 * I, 2 * I, bf16, x));
+    down_jobs.push_back(down.job(act.data() + r0 * I, n, ys.data() + r0 * Hm, Hm, bf16, x));
   }
   run_jobs(up_jobs);
-  round_all(gu.data(), A * 2 * I);
-  swiglu(gu.data(), A, I, act.data());
+  round_all(gu.data(), A * 2 * I, bf16);
+  swiglu(gu.data(), A, I, act.data(), bf16);
   run_jobs(down_jobs);
-  round_all(ys.data(), A * Hm);
+  round_all(ys.data(), A * Hm, bf16);
   std::vector<int64_t> row_of(A);  // assignment -> its row in ys
   for (int64_t r = 0; r < A; ++r) row_of[order[r]] = r;
 
@@ -161,28 +164,28 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     float* mr = m.data() + t * Hm;
     for (int64_t j = 0; j < top_k; ++j) {
       const int64_t a = t * top_k + j;
-      rms_row(ys.data() + row_of[a] * Hm, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm);
+      rms_row(ys.data() + row_of[a] * Hm, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm, !bf16);
       for (int64_t i = 0; i < Hm; ++i) {
         const float z = tmp[Hm + i] * weights[a];
         mr[i] = j == 0 ? z : mr[i] + z;
       }
     }
-    round_all(mr, Hm);
+    round_all(mr, Hm, bf16);
   });
-  run_jobs({w_post.job(m.data(), T, b.data(), H)});
-  round_all(b.data(), T * H);
-  return residual(s, b.data(), post_gain.data_ptr<float>(), pe, alpha, beta);
+  run_jobs({w_post.job(m.data(), T, b.data(), H, bf16)});
+  round_all(b.data(), T * H, bf16);
+  return residual(s, b.data(), post_gain.data_ptr<float>(), pe, alpha, beta, bf16);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("ffn_dense(Tensor s, Tensor pre_gain, float eps, Tensor[] w_gate, Tensor[] w_up, Tensor[] w_down, "
-        "Tensor post_gain, float post_eps, Tensor alpha, Tensor beta) -> Tensor");
+        "Tensor post_gain, float post_eps, Tensor alpha, Tensor beta, bool bf16=True) -> Tensor");
   m.def("ffn_moe(Tensor s, Tensor pre_gain, float eps, Tensor router, Tensor bias, int top_k, "
         "float output_multiplier, float routed_scaling, Tensor[] w_pre, Tensor expert_in_gain, Tensor[] gate_up, "
         "Tensor[] down, Tensor expert_out_gain, Tensor[] w_post, Tensor post_gain, float post_eps, Tensor alpha, "
-        "Tensor beta) -> Tensor");
+        "Tensor beta, bool bf16=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {

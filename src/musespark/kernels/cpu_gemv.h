@@ -22,6 +22,7 @@
 #include "cpu_simd.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace musespark_gemv {
@@ -69,26 +70,77 @@ inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, i
     for (int m = 0; m < MR; ++m) y[m * ldy + n] = hsum(acc[n][m]);
 }
 
+// fp32 weights in fp32 models (x not bf16) accumulate in double: the
+// dot product rounded once, as exact as fp32 allows (an fp32 sum over K picks up an error
+// that fp32 models would carry into their logits; `benchmarks/fp32_exactness.py`). Each
+// element: two 4-lane double accumulators over K in order, summed at the end.
+template <int NR, int MR>
+inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
+  __m256d lo[NR][MR], hi[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) lo[n][m] = hi[n][m] = _mm256_setzero_pd();
+  auto step = [&](int64_t k) {
+    __m256d xl[MR], xh[MR];
+    for (int m = 0; m < MR; ++m) {
+      xl[m] = _mm256_cvtps_pd(_mm_loadu_ps(x + m * K + k));
+      xh[m] = _mm256_cvtps_pd(_mm_loadu_ps(x + m * K + k + 4));
+    }
+    for (int n = 0; n < NR; ++n) {
+      const __m256d wl = _mm256_cvtps_pd(_mm_loadu_ps(w + n * K + k));
+      const __m256d wh = _mm256_cvtps_pd(_mm_loadu_ps(w + n * K + k + 4));
+      for (int m = 0; m < MR; ++m) {
+        lo[n][m] = _mm256_fmadd_pd(wl, xl[m], lo[n][m]);
+        hi[n][m] = _mm256_fmadd_pd(wh, xh[m], hi[n][m]);
+      }
+    }
+  };
+  constexpr int64_t L = kLine<float>;
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    for (int n = 0; n < NR; ++n)
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + ahead, _MM_HINT_T0);
+    for (int64_t j = 0; j < L; j += 8) step(k + j);
+  }
+  for (; k < K; k += 8) step(k);
+  for (int n = 0; n < NR; ++n)
+    for (int m = 0; m < MR; ++m) {
+      const __m256d v = _mm256_add_pd(lo[n][m], hi[n][m]);
+      __m128d t = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+      t = _mm_add_sd(t, _mm_unpackhi_pd(t, t));
+      y[m * ldy + n] = static_cast<float>(_mm_cvtsd_f64(t));
+    }
+}
+
+// bf16 weights, and fp32 weights against bf16 values (a bf16 model's fp32 router): the fp32
+// tile; fp32 weights in an fp32 model: the double-accumulating one.
+template <typename W, int NR, int MR>
+inline void tile_of(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t ahead, bool x_bf16) {
+  if constexpr (std::is_same_v<W, float>) {
+    if (!x_bf16) return tile<NR, MR>(x, K, w, y, ldy, ahead);
+  }
+  tile<W, NR, MR>(x, K, w, y, ldy, ahead);
+}
+
 // Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x. With one row of
 // x the weight rows go one at a time (one sequential stream: measured 5-15% more
 // bandwidth than four interleaved rows); with more, 4x3 tiles reuse each loaded weight
 // (4x3 vs 4x2: 104-126 vs 86-91 GFLOP/s at M = 64 and 512, benchmarks/RESULTS.md).
 template <typename W>
 inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, float* y,
-                        int64_t ldy) {
+                        int64_t ldy, bool x_bf16) {
   if (M == 1) {
-    for (int64_t r = n0; r < std::min(n0 + kNR, N); ++r) tile<W, 1, 1>(x, K, w + r * K, y + r, ldy, kPrefetchBytes);
+    for (int64_t r = n0; r < std::min(n0 + kNR, N); ++r) tile_of<W, 1, 1>(x, K, w + r * K, y + r, ldy, kPrefetchBytes, x_bf16);
     return;
   }
   auto rows = [&](auto nr, const W* wt, float* yt) {
     constexpr int NR = decltype(nr)::value;
     const int64_t ahead = kPrefetchRows * K * static_cast<int64_t>(sizeof(W));
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile<W, NR, 3>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
+    for (; m + 3 <= M; m += 3) tile_of<W, NR, 3>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
     if (m + 2 <= M) {
-      tile<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
+      tile_of<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
     } else if (m < M) {
-      tile<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy, ahead);
+      tile_of<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
     }
   };
   if (n0 + kNR <= N) {
@@ -205,9 +257,9 @@ inline void run_jobs(const std::vector<Job>& jobs) {
         continue;
       }
       if (b.w_bf16)
-        weight_tile(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), b.N, n0, b.y, b.ldy);
+        weight_tile(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), b.N, n0, b.y, b.ldy, b.x_bf16);
       else
-        weight_tile(b.x, b.M, b.K, static_cast<const float*>(b.w), b.N, n0, b.y, b.ldy);
+        weight_tile(b.x, b.M, b.K, static_cast<const float*>(b.w), b.N, n0, b.y, b.ldy, b.x_bf16);
     }
   });
 }

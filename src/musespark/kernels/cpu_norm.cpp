@@ -32,12 +32,14 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, 
   const int64_t R = xc.size(0), H = xc.size(1);
   auto y = at::empty({R, H}, xc.options().dtype(out_dtype));
   const float* gp = has_gain ? g.data_ptr<float>() : nullptr;
+  // fp32 in and out (an fp32 model's final norm): the sum of squares in double (cpu_rows.h).
+  const bool wide = xc.scalar_type() == at::kFloat && out_dtype == at::kFloat;
   auto go = [&](const auto* in, auto* out) {
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
       std::vector<float> tmp(H);
       for (int64_t r = r0; r < r1; ++r)
         musespark_rows::rms_row(in + r * H, H, gp, static_cast<float>(eps), input_scaled,
-                                static_cast<float>(scale), tmp.data(), out + r * H);
+                                static_cast<float>(scale), tmp.data(), out + r * H, wide);
     });
   };
   auto with_out = [&](const auto* in) {

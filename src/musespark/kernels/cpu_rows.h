@@ -15,17 +15,25 @@ inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 //   plain:        y = x * rsqrt(mean(x^2) + eps) * gain * scale   (gain may be null)
 //   input_scaled: v = x * gain; y = v * rsqrt(mean(v^2) + eps) * scale
 // `tmp` holds H floats of scratch and aliases neither x nor y; y may be x (in place).
+// `wide`: the sum of squares in double (fp32 models: a sequential fp32 sum grows an error of
+// ~H ulps, which their logits would show); bf16 models keep the fp32 sum (the rounding to
+// bf16 dominates).
 template <typename In, typename Out>
 inline void rms_row(const In* x, int64_t H, const float* gain, float eps, bool input_scaled, float scale,
-                    float* tmp, Out* y) {
+                    float* tmp, Out* y, bool wide = false) {
   float sq = 0.f;
+  double wsq = 0.0;
   for (int64_t j = 0; j < H; ++j) {
     float v = static_cast<float>(x[j]);
     if (input_scaled) v *= gain[j];
     tmp[j] = v;
-    sq += v * v;
+    if (wide)
+      wsq += static_cast<double>(v) * v;
+    else
+      sq += v * v;
   }
-  const float inv = 1.f / std::sqrt(sq / static_cast<float>(H) + eps);
+  const float mean = wide ? static_cast<float>(wsq / static_cast<double>(H)) : sq / static_cast<float>(H);
+  const float inv = 1.f / std::sqrt(mean + eps);
   for (int64_t j = 0; j < H; ++j) {
     float t = tmp[j] * inv;
     if (gain && !input_scaled) t *= gain[j];
