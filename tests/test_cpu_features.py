@@ -54,3 +54,15 @@ def test_the_override_lowers_the_kernel_path():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "allowed avx2; kernel path avx2" in out.stdout
+
+
+def test_batch_invariance_is_the_default_and_the_variable_is_checked(monkeypatch):
+    from musespark.kernels import cpu
+
+    monkeypatch.delenv(cpu.BATCH_INVARIANT_ENV, raising=False)
+    assert cpu.batch_invariant()
+    monkeypatch.setenv(cpu.BATCH_INVARIANT_ENV, "0")
+    assert not cpu.batch_invariant()
+    monkeypatch.setenv(cpu.BATCH_INVARIANT_ENV, "yes")
+    with pytest.raises(ValueError, match="MUSESPARK_BATCH_INVARIANT"):
+        cpu.batch_invariant()

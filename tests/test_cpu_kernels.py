@@ -59,6 +59,28 @@ def test_a_row_never_depends_on_its_batch(kernel_path):
 
 
 @needs_ops
+def test_without_batch_invariance_prompt_sized_products_use_onednn(kernel_path):
+    """MUSESPARK_BATCH_INVARIANT=0 (here: the op) sends bf16 products of >= 64 rows to
+    oneDNN on AVX-512-BF16 CPUs: the result is then torch's own bf16 product, bit for bit;
+    smaller products (and every product on the AVX2 path) keep the invariant kernels."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 256, generator=g).bfloat16()
+    x = torch.randn(80, 256, generator=g).bfloat16()
+    invariant = ops.linear_small_m(x, w)
+    before = ops.set_batch_invariant(False)
+    try:
+        fast = ops.linear_small_m(x, w)
+        small = ops.linear_small_m(x[:63], w)
+    finally:
+        ops.set_batch_invariant(before)
+    assert torch.equal(small, invariant[:63])
+    if kernel_path == "avx512_bf16":
+        assert torch.equal(fast, x @ w.T)
+    else:
+        assert torch.equal(fast, invariant)
+
+
+@needs_ops
 def test_linear_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ops.linear_small_m(torch.randn(1, 12), torch.randn(4, 12))

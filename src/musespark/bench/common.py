@@ -82,6 +82,7 @@ def machine() -> dict[str, Any]:
     if "musespark.kernels.cpu" in sys.modules:  # only when this run used the kernels (no build here)
         kernels = sys.modules["musespark.kernels.cpu"]
         info["kernel_path"] = kernels.kernel_path() if kernels._tried else "not loaded"
+        info["batch_invariant"] = kernels.batch_invariant()
     return info
 
 

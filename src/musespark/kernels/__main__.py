@@ -3,10 +3,11 @@
 import time
 
 from ..cpu_features import detected_isa, isa
-from .cpu import cache_dir, kernel_path, native_ops
+from .cpu import batch_invariant, cache_dir, kernel_path, native_ops
 
 start = time.perf_counter()
 ops = native_ops()
 print(f"musespark CPU kernels: {'ready' if ops is not None else 'unavailable'} "
       f"({time.perf_counter() - start:.1f} s, {cache_dir()})")
-print(f"ISA: detected {detected_isa()}, allowed {isa()}; kernel path {kernel_path()}")
+print(f"ISA: detected {detected_isa()}, allowed {isa()}; kernel path {kernel_path()}; "
+      f"batch invariant {'yes' if batch_invariant() else 'no (MUSESPARK_BATCH_INVARIANT=0)'}")

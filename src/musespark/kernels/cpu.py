@@ -60,6 +60,20 @@ def kernel_path() -> str:
     return "none" if ops is None else str(ops.isa_path())
 
 
+BATCH_INVARIANT_ENV = "MUSESPARK_BATCH_INVARIANT"
+
+
+def batch_invariant() -> bool:
+    """Whether a request's tokens must not depend on its batch (MUSESPARK_BATCH_INVARIANT,
+    default 1). 0 lets prompt-sized bf16 products use oneDNN's GEMM on AVX-512-BF16/AMX
+    CPUs (kernels/cpu_isa.h): faster prefill; a decode row batched with a prompt may then
+    round differently than alone (vLLM's batch invariance is opt-in the same way)."""
+    value = os.environ.get(BATCH_INVARIANT_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{BATCH_INVARIANT_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def path_for(level: str) -> str:
     """The kernel path an ISA level (cpu_features.ISA_LEVELS) runs."""
     return "avx512_bf16" if level in ("avx512_bf16", "amx_bf16") else "avx2"
@@ -126,6 +140,7 @@ def _build() -> Any:
             if not _reason:
                 _ops = _compile()
                 _ops.set_isa(path_for(isa()))
+                _ops.set_batch_invariant(batch_invariant())
         except Exception as exc:  # a missing compiler or ninja, a build error: fall back, loudly
             _reason = (f"the build failed: {type(exc).__name__}: "
                        f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}")

@@ -233,11 +233,34 @@ inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jo
 
 // Runs several products in one parallel region (one thread wake-up, one stream of weight
 // tiles split across threads: each thread reads its own contiguous slice once).
-inline void run_jobs(const std::vector<Job>& jobs) {
+// Without batch invariance (cpu_isa.h), bf16 products of at least this many rows go to
+// oneDNN's bf16 GEMM (at::mm; AMX tiles where the CPU has them) instead of bf16_dots.
+constexpr int64_t kOnednnMinRows = 64;
+
+// y = bf16(x @ w^T) by at::mm, widened into the fp32 rows of y (the callers round every
+// bf16 product's output to bf16, so one rounding here changes nothing they keep).
+inline void onednn_job(const Job& b, std::vector<uint16_t>& xb) {
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  const at::Tensor x = at::from_blob(xb.data(), {b.M, b.K}, bf16);
+  const at::Tensor w = at::from_blob(const_cast<void*>(b.w), {b.N, b.K}, bf16);
+  const at::Tensor y = at::mm(x, w.t()).to(at::kFloat);
+  at::from_blob(b.y, {b.M, b.N}, {b.ldy, 1}, at::TensorOptions().dtype(at::kFloat)).copy_(y);
+}
+
+inline void run_jobs(const std::vector<Job>& all) {
+  std::vector<int> which;
+  auto xb = bf16_inputs(all, which);
+  // Prompt-sized bf16 products by oneDNN first (each at::mm uses every thread), when allowed.
+  std::vector<Job> jobs = all;
+  if (!musespark_isa::batch_invariant())
+    for (size_t j = 0; j < jobs.size(); ++j)
+      if (which[j] >= 0 && jobs[j].M >= kOnednnMinRows) {
+        onednn_job(jobs[j], xb[which[j]]);
+        jobs[j].M = 0;
+        which[j] = -1;
+      }
   std::vector<int64_t> first(jobs.size() + 1, 0);  // first tile of each job
   for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
-  std::vector<int> which;
-  const auto xb = bf16_inputs(jobs, which);
   const Nvfp4Inputs q = nvfp4_inputs(jobs);
   at::parallel_for(0, first.back(), 16, [&](int64_t t0, int64_t t1) {
     size_t j = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;

@@ -21,6 +21,12 @@ int level();
 bool set_level(int want);
 inline bool avx512_bf16() { return level() >= kAvx512Bf16; }
 
+// Batch invariance (default on): every product computes each row the same way whatever
+// the batch. Off, prompt-sized bf16 products on AVX-512-BF16/AMX CPUs use oneDNN's GEMM
+// (faster, but a row's sums then depend on how many rows share the product).
+bool batch_invariant();
+void set_batch_invariant(bool on);
+
 }  // namespace musespark_isa
 
 namespace musespark_avx512 {

@@ -19,9 +19,12 @@ namespace musespark_isa {
 
 namespace {
 std::atomic<int> current{kAvx2};
-}
+std::atomic<bool> invariant{true};
+}  // namespace
 
 int level() { return current.load(std::memory_order_relaxed); }
+bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
+void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxed); }
 
 bool set_level(int want) {
   if (want >= kAvx512Bf16) {
@@ -48,6 +51,13 @@ std::string set_isa(const std::string& path) {
 }
 
 std::string isa_path() { return musespark_isa::avx512_bf16() ? "avx512_bf16" : "avx2"; }
+
+// Batch invariance on or off (cpu_isa.h); returns the previous setting.
+bool set_batch_invariant(bool on) {
+  const bool before = musespark_isa::batch_invariant();
+  musespark_isa::set_batch_invariant(on);
+  return before;
+}
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_small_m: x [M, K] and w [N, K] must be 2-D");
@@ -82,6 +92,7 @@ TORCH_LIBRARY(musespark_cpu, m) {
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor");
   m.def("set_isa(str path) -> str", &set_isa);  // no tensor arguments: catch-all kernels
   m.def("isa_path() -> str", &isa_path);
+  m.def("set_batch_invariant(bool on) -> bool", &set_batch_invariant);
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {

@@ -1,0 +1,40 @@
+"""Triton kernels for the decoder's boundaries, each beside the torch reference it must match.
+
+One file per kernel; each holds the `@triton.jit` kernel, its typed launcher and a
+`reference_*` function that calls the torch reference formulas of `musespark.layers`:
+
+* `norm_residual` — post-norm -> gated residual -> next pre-norm (and a plain RMSNorm)
+* `qk_norm_rope`  — per-head QK-norm, query scale, rotate-half RoPE, optional paged K/V write
+* `o_norm_gate`   — per-head O-norm times sigmoid(gate)
+* `routing`       — fp32 router logits, sigmoid, bias top-k, renormalise, scale
+* `experts`       — grouped expert SwiGLU GEMMs, per-expert post-norm, weighted ordered sum
+* `attention`     — paged attention (chunked prefill and decode; sliding windows)
+
+Triton is optional: `available()` says whether it imports; nothing here is imported by the
+engine unless the triton backend is chosen. On CPU tensors the kernels run only under
+`TRITON_INTERPRET=1` (tests). Invariants every kernel keeps, interpreted or compiled:
+loads are widened to fp32 at once, every sum runs in fp32, and a value rounded to bf16 is
+rounded to nearest-even explicitly (`_common.round_bf16`) before it is stored.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available() -> bool:
+    """Whether `triton` imports here."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+__all__ = ["available", "interpreting"]
