@@ -2,9 +2,11 @@
 sequences, keys/values in a paged cache reached through block tables. Every logit must
 equal the whole-prompt reference path."""
 
+import pytest
 import torch
 
 from musespark.config import ModelConfig
+from musespark.layers import attention
 from musespark.layers.attention import AttentionContext, KVGroup
 from musespark.model import MuseSparkForCausalLM, init_random_weights
 
@@ -24,7 +26,12 @@ def make_model() -> MuseSparkForCausalLM:
     return model.eval()
 
 
-def test_chunked_paged_batches_equal_whole_prompt():
+@pytest.mark.parametrize("query_block", [attention.PREFILL_QUERY_BLOCK, 2, 3])
+def test_chunked_paged_batches_equal_whole_prompt(query_block, monkeypatch):
+    """Also with prefill chunks attended a few query rows at a time (each block reading
+    only the keys in its reach, the first block of a fresh sequence through the causal
+    kernel)."""
+    monkeypatch.setattr(attention, "PREFILL_QUERY_BLOCK", query_block)
     torch.manual_seed(0)
     model = make_model()
     lengths = [37, 22, 9]

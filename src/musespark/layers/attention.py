@@ -45,6 +45,9 @@ class AttentionContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: K, V [num_blocks, block_size, nKV, D]
     groups: list[KVGroup] | None = None
     layer_group: list[int] | None = None  # layer index -> index into `groups`
+    # Sequences whose queries are computed one row at a time as decode rows (speculative
+    # verification: each row then gets exactly the numbers one-at-a-time decoding gives).
+    row_wise: list[int] = field(default_factory=list)
     _seq_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def seq_lens_tensor(self, device: torch.device) -> torch.Tensor:
@@ -89,10 +92,8 @@ def _attend(
         mask = k_pos[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - window
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k4, v4 = k4.repeat_interleave(groups, dim=1), v4.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)  # [n, nH, D]
 
 
@@ -153,13 +154,67 @@ def paged_attention(
                      group.block_tables.index_select(0, seqs).contiguous(),
                      ctx.seq_lens_tensor(q.device).index_select(0, seqs), window or 0, scale)
         out[rows] = got.to(q.dtype)
+    if ctx.row_wise:
+        _row_wise_attention(out, q, k_cache, v_cache, k_flat, v_flat, positions, ctx, group, scale, window, decode)
+    skip = set(ctx.row_wise)
     for b in range(ctx.num_seqs):
         s, e = qsl[b], qsl[b + 1]
-        if e == s or (single and e - s == 1):
+        if e == s or (single and e - s == 1) or b in skip:
             continue
-        slots, k_pos = _reachable_slots(group.block_tables[b], ctx.seq_lens[b], e - s, block_size, window)
-        out[s:e] = _attend(q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window)
+        out[s:e] = _attend_chunk(q[s:e], k_flat, v_flat, positions[s:e], group.block_tables[b], ctx.seq_lens[b],
+                                 block_size, scale, window)
     return out
+
+
+# Queries per SDPA call in a prefill chunk: each block reads only the keys its rows can reach
+# (with a sliding window, a band instead of the whole prefix) and its mask stays small.
+PREFILL_QUERY_BLOCK = 256
+
+
+def _attend_chunk(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, positions: torch.Tensor,
+                  table: torch.Tensor, seq_len: int, block_size: int, scale: float, window: int | None
+                  ) -> torch.Tensor:
+    """A sequence's n new queries (the last n of its seq_len positions) over the paged cache,
+    PREFILL_QUERY_BLOCK rows at a time -> [n, nH, D]. A block at the start of a sequence with
+    every key in reach (no prefix, no window cutting in) takes SDPA's causal kernel."""
+    n = q.shape[0]
+    if n <= PREFILL_QUERY_BLOCK:
+        slots, k_pos = _reachable_slots(table, seq_len, n, block_size, window)
+        plain = seq_len == n and (window is None or n <= window)
+        return _attend(q, k_flat[slots], v_flat[slots], positions, k_pos, scale, window, plain_causal=plain)
+    out = torch.empty_like(q)
+    for s in range(0, n, PREFILL_QUERY_BLOCK):
+        e = min(n, s + PREFILL_QUERY_BLOCK)
+        end = seq_len - n + e  # the block's rows are the last e - s of the first `end` positions
+        slots, k_pos = _reachable_slots(table, end, e - s, block_size, window)
+        plain = end == e - s and (window is None or e - s <= window)
+        out[s:e] = _attend(q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window,
+                           plain_causal=plain)
+    return out
+
+
+def _row_wise_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_flat: torch.Tensor, v_flat: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                        group: KVGroup, scale: float, window: int | None, decode: DecodeKernel | None) -> None:
+    """Rows of the `ctx.row_wise` sequences as single-query decode rows (row i of a sequence's
+    n sees seq_len - (n - 1 - i) keys), written into `out` in place."""
+    qsl = ctx.query_start_loc
+    rows, seqs, lens = [], [], []
+    for b in ctx.row_wise:
+        s, e = qsl[b], qsl[b + 1]
+        for r in range(s, e):
+            rows.append(r)
+            seqs.append(b)
+            lens.append(ctx.seq_lens[b] - (e - 1 - r))
+    rows_t = torch.tensor(rows, device=q.device)
+    tables = group.block_tables.index_select(0, torch.tensor(seqs, device=q.device)).contiguous()
+    if decode is not None:
+        got = decode(q[rows_t].float().contiguous(), k_cache, v_cache, tables,
+                     torch.tensor(lens, dtype=torch.int64, device=q.device), window or 0, scale)
+    else:
+        got = _decode_attention(q[rows_t], k_flat, v_flat, positions[rows_t], lens, tables, k_cache.shape[1],
+                                scale, window)
+    out[rows_t] = got.to(q.dtype)
 
 
 def _reachable_slots(table: torch.Tensor, seq_len: int, num_queries: int, block_size: int,
