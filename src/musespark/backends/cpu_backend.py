@@ -60,21 +60,47 @@ def _fused_dtype(dtype: torch.dtype, rows: int) -> bool:
 NVFP4_NATIVE_MAX_ROWS = 16
 
 
-def _weight(linear: nn.Module) -> list[torch.Tensor]:
-    """A linear's weight argument of the fused ops (kernels/cpu_block.h `weight_arg`)."""
-    if isinstance(linear.format, Nvfp4Linear):
-        return [linear.weight, linear.weight_scale.view(torch.uint8), linear.weight_scale_2.reshape(1)]
-    return [linear.weight]
+def _sources(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(getattr(module, n) for n in names)
 
 
-def _expert_weights(experts: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The experts' gate|up and down arguments of `ffn_moe` (NVFP4: gate|up has two global
-    scales per expert, down one)."""
-    if isinstance(experts.format, Nvfp4Experts):
-        return ([experts.gate_up_proj, experts.gate_up_proj_weight_scale.view(torch.uint8),
-                 experts.gate_up_proj_weight_scale_2],
-                [experts.down_proj, experts.down_proj_weight_scale.view(torch.uint8), experts.down_proj_weight_scale_2])
-    return [experts.gate_up_proj], [experts.down_proj]
+_LINEAR = ("weight",)
+_NVFP4_LINEAR = ("weight", "weight_scale", "weight_scale_2")
+_EXPERTS = ("gate_up_proj", "down_proj")
+_NVFP4_EXPERTS = ("gate_up_proj", "gate_up_proj_weight_scale", "gate_up_proj_weight_scale_2", "down_proj",
+                  "down_proj_weight_scale", "down_proj_weight_scale_2")
+
+
+class _WeightArgs:
+    """The fused ops' weight arguments (kernels/cpu_block.h `weight_arg`) of each module, built
+    once and reused while the module's tensors stay where they are (a decode step passes ~60
+    of them; rebuilding the NVFP4 views each time costs more than some products). A module
+    whose tensors moved (`.to()`, a reload) gets new arguments."""
+
+    def __init__(self) -> None:
+        self._cache: dict[int, tuple[tuple[int, ...], Any]] = {}
+
+    def _get(self, module: nn.Module, names: tuple[str, ...], build: Any) -> Any:
+        tensors = _sources(module, names)
+        key = tuple(t.data_ptr() for t in tensors)
+        hit = self._cache.get(id(module))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        args = build(*tensors)
+        self._cache[id(module)] = (key, args)
+        return args
+
+    def linear(self, linear: nn.Module) -> list[torch.Tensor]:
+        if isinstance(linear.format, Nvfp4Linear):
+            return self._get(linear, _NVFP4_LINEAR, lambda w, s, g: [w, s.view(torch.uint8), g.reshape(1)])
+        return self._get(linear, _LINEAR, lambda w: [w])
+
+    def experts(self, experts: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """gate|up and down (NVFP4: gate|up has two global scales per expert, down one)."""
+        if isinstance(experts.format, Nvfp4Experts):
+            return self._get(experts, _NVFP4_EXPERTS, lambda gu, gus, gug, d, ds, dg: (
+                [gu, gus.view(torch.uint8), gug], [d, ds.view(torch.uint8), dg]))
+        return self._get(experts, _EXPERTS, lambda gu, d: ([gu], [d]))
 
 
 def _fusable(fmt: object) -> bool:
@@ -196,6 +222,7 @@ class CpuBackend(TorchBackend):
         # The head kernel needs a dense head, whatever the other modules' formats.
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
+        self.weights = _WeightArgs()
 
     def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
         x = model.embed_tokens(input_ids)
@@ -208,10 +235,10 @@ class CpuBackend(TorchBackend):
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_in(layer, s, rotary, dtype)
-        attn, norm = layer.self_attn, layer.input_layernorm
+        attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
         cos, sin = rotary or (None, None)
-        return self.ops.attn_in(s, norm.gain(), norm.eps, _weight(attn.q_proj), _weight(attn.k_proj),
-                                _weight(attn.v_proj), _weight(attn.gate_proj), attn.num_heads, attn.num_kv_heads,
+        return self.ops.attn_in(s, norm.gain(), norm.eps, w.linear(attn.q_proj), w.linear(attn.k_proj),
+                                w.linear(attn.v_proj), w.linear(attn.gate_proj), attn.num_heads, attn.num_kv_heads,
                                 attn.qk_scale, cos, sin, dtype == torch.bfloat16)
 
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -227,17 +254,17 @@ class CpuBackend(TorchBackend):
                 return super().attn_out(layer, s, o, g)
         attn = layer.self_attn
         alpha, beta = layer.post_attention_residual_gate.coefficients_cached()
-        return self.ops.attn_out(s, o.contiguous(), g, _weight(attn.o_proj), attn.eps, alpha, beta,
+        return self.ops.attn_out(s, o.contiguous(), g, self.weights.linear(attn.o_proj), attn.eps, alpha, beta,
                                  layer.post_norm_eps)
 
     def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().dense_ffn(layer, s, dtype)
-        mlp, pre, post = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+        mlp, pre, post, w = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, self.weights
         alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
-        return self.ops.ffn_dense(s, pre.gain(), pre.eps, _weight(mlp.gate_proj), _weight(mlp.up_proj),
-                                  _weight(mlp.down_proj), post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16)
+        return self.ops.ffn_dense(s, pre.gain(), pre.eps, w.linear(mlp.gate_proj), w.linear(mlp.up_proj),
+                                  w.linear(mlp.down_proj), post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16)
 
     def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
@@ -246,13 +273,14 @@ class CpuBackend(TorchBackend):
             with self.nvfp4.native(layer):
                 return super().moe_ffn(layer, s, dtype)
         mlp: SparseMoeBlock = layer.mlp
+        w = self.weights
         pre, post, router, experts = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, \
             mlp.gate, mlp.experts
         alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
         return self.ops.ffn_moe(s, pre.gain(), pre.eps, router.weight.float(), router.e_score_correction_bias.float(),
                                 router.top_k, router.output_multiplier, router.routed_scaling_factor,
-                                _weight(mlp.pre_expert_proj), mlp.pre_expert_norm.gain(), *_expert_weights(experts),
-                                experts.post_expert_norm.gain(), _weight(mlp.post_expert_proj),
+                                w.linear(mlp.pre_expert_proj), mlp.pre_expert_norm.gain(), *w.experts(experts),
+                                experts.post_expert_norm.gain(), w.linear(mlp.post_expert_proj),
                                 post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16)
 
     def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

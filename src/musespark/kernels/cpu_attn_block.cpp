@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -49,29 +50,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
   std::vector<float> proj(T * W);
   run_jobs({wq.job(h.data(), T, proj.data(), W, bf16), wk.job(h.data(), T, proj.data() + ok, W, bf16),
             wv.job(h.data(), T, proj.data() + ov, W, bf16), wg.job(h.data(), T, proj.data() + og, W, bf16)});
-  // Computed in fp32 and rounded once at the end (bf16 models).
-  auto opts = s.options();
+  auto opts = s.options().dtype(bf16 ? at::kBFloat16 : at::kFloat);
   Tensor q = at::empty({T, nH, D}, opts), k = at::empty({T, nKV, D}, opts), v = at::empty({T, nKV, D}, opts),
          g = at::empty({T, nH, D}, opts);
-  auto *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *gp = g.data_ptr<float>();
   const float* cp = rope ? cos->data_ptr<float>() : nullptr;
   const float* sp = rope ? sin->data_ptr<float>() : nullptr;
   const float qs = static_cast<float>(qk_scale);
-  for_rows(T, 3 * D, [&](int64_t t, float* tmp) {
-    float* row = proj.data() + t * W;
-    round_all(row, W, bf16);  // the projections' outputs are in the model's dtype
-    float *scratch = tmp, *norm = tmp + D;
-    auto head = [&](const float* x, float scale, float* out) {
-      rms_row(x, D, nullptr, e, false, scale, norm, out, !bf16);
-      if (rope) rope_row(out, cp + t * D, sp + t * D, D, scratch);
-    };
-    for (int64_t i = 0; i < nH; ++i) head(row + i * D, qs, qp + (t * nH + i) * D);
-    for (int64_t i = 0; i < nKV; ++i) head(row + ok + i * D, 1.f, kp + (t * nKV + i) * D);
-    std::copy_n(row + ov, nKV * D, vp + t * nKV * D);
-    std::copy_n(row + og, nH * D, gp + t * nH * D);
-  });
-  if (!bf16) return {q, k, v, g};
-  return {q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16), g.to(at::kBFloat16)};
+  // Out: at::BFloat16 (one rounding per stored value) or float.
+  auto fill = [&](auto* qp, auto* kp, auto* vp, auto* gp) {
+    using Out = std::remove_pointer_t<decltype(qp)>;
+    for_rows(T, 3 * D, [&](int64_t t, float* tmp) {
+      float* row = proj.data() + t * W;
+      round_all(row, W, bf16);  // the projections' outputs are in the model's dtype
+      float *r = tmp, *scratch = tmp + D, *norm = tmp + 2 * D;
+      auto head = [&](const float* x, float scale, Out* out) {
+        rms_row(x, D, nullptr, e, false, scale, norm, r, !bf16);
+        if (rope) rope_row(r, cp + t * D, sp + t * D, D, scratch);
+        for (int64_t i = 0; i < D; ++i) out[i] = static_cast<Out>(r[i]);
+      };
+      for (int64_t i = 0; i < nH; ++i) head(row + i * D, qs, qp + (t * nH + i) * D);
+      for (int64_t i = 0; i < nKV; ++i) head(row + ok + i * D, 1.f, kp + (t * nKV + i) * D);
+      for (int64_t i = 0; i < nKV * D; ++i) vp[t * nKV * D + i] = static_cast<Out>(row[ov + i]);
+      for (int64_t i = 0; i < nH * D; ++i) gp[t * nH * D + i] = static_cast<Out>(row[og + i]);
+    });
+  };
+  if (bf16)
+    fill(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), g.data_ptr<at::BFloat16>());
+  else
+    fill(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>());
+  return {q, k, v, g};
 }
 
 // s [T, H] fp32, o and g [T, nH, D] bf16 (an fp32 model: fp32, nothing rounded) -> s' [T, H] fp32:
@@ -91,16 +98,20 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
   check_residual(s, alpha, beta);
   const float e = static_cast<float>(eps);
   std::vector<float> x(T * nH * D), a(T * H);
-  const Tensor of = o.to(at::kFloat), gf = g.to(at::kFloat);  // exact widening (bf16)
-  const float *op = of.data_ptr<float>(), *gp = gf.data_ptr<float>();
-  for_rows(T, D, [&](int64_t t, float* tmp) {
-    for (int64_t i = 0; i < nH; ++i) {
-      const int64_t base = (t * nH + i) * D;
-      rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x.data() + base, !bf16);
-      for (int64_t j = 0; j < D; ++j) x[base + j] = x[base + j] * sigmoid(gp[base + j]);
-      round_all(x.data() + base, D, bf16);
-    }
-  });
+  auto gate = [&](const auto* op, const auto* gp) {
+    for_rows(T, D, [&](int64_t t, float* tmp) {
+      for (int64_t i = 0; i < nH; ++i) {
+        const int64_t base = (t * nH + i) * D;
+        rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x.data() + base, !bf16);
+        for (int64_t j = 0; j < D; ++j) x[base + j] = x[base + j] * sigmoid(static_cast<float>(gp[base + j]));
+        round_all(x.data() + base, D, bf16);
+      }
+    });
+  };
+  if (bf16)
+    gate(o.data_ptr<at::BFloat16>(), g.data_ptr<at::BFloat16>());
+  else
+    gate(o.data_ptr<float>(), g.data_ptr<float>());
   run_jobs({wo.job(x.data(), T, a.data(), H, bf16)});
   round_all(a.data(), T * H, bf16);
   return residual(s, a.data(), nullptr, static_cast<float>(post_eps), alpha, beta, bf16);

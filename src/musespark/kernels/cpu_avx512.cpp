@@ -127,37 +127,67 @@ inline __m512 decode_one(const uint8_t* codes, const float* table) {
   return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table));  // reads index bits 0-3
 }
 
+// y[n + r] for R rows from n with one row of x: per row, two 16-lane accumulators over the
+// pairs of blocks in order (an odd last block into the first), summed at the end.
+constexpr int kRows = 4;
+
+template <int R>
+inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint8_t* scales, const float* const* tables,
+                    int64_t rows_per_global, int64_t n, float* y) {
+  const int64_t nb = K / 16, pairs = nb / 2;
+  const uint8_t* c[R];
+  const uint8_t* s[R];
+  const float* table[R];
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    c[r] = codes + (n + r) * (K / 2);
+    s[r] = scales + (n + r) * nb;
+    table[r] = tables[(n + r) / rows_per_global];
+    acc0[r] = acc1[r] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512 xe = _mm512_loadu_ps(xr + p * 32), xo = _mm512_loadu_ps(xr + p * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      if ((p & 3) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(c[r] + p * 16) + 1024, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(s[r] + 2 * p) + 128, _MM_HINT_T0);
+      }
+      __m512 w0, w1;
+      decode_pair(c[r] + p * 16, table[r] + s[r][2 * p] * 16, table[r] + s[r][2 * p + 1] * 16, w0, w1);
+      acc0[r] = _mm512_fmadd_ps(w0, xe, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(w1, xo, acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (nb % 2 != 0)
+      acc0[r] = _mm512_fmadd_ps(decode_one(c[r] + pairs * 16, table[r] + s[r][2 * pairs] * 16),
+                                _mm512_loadu_ps(xr + pairs * 32), acc0[r]);
+    y[n + r] = sum16(_mm512_add_ps(acc0[r], acc1[r]));
+  }
+}
+
 }  // namespace
 
 void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
-                const float* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
+                const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / 16, pairs = nb / 2;
   const bool tail = nb % 2 != 0;
   // Decoded weight rows for M > 1 (K floats); fixed-size scratch keeps this file free of
   // library containers: rows longer than it take the one-row path per x row.
   alignas(64) static thread_local float scratch[16384];
-  for (int64_t n = n0; n < n1; ++n) {
+  int64_t n = n0;
+  if (M == 1) {  // four rows at a time: eight independent FMA chains (one row's two chains
+    //              alone wait on the FMA latency); each row's sums are the same as below
+    for (; n + kRows <= n1; n += kRows) rows_m1<kRows>(xp, K, codes, scales, tables, rows_per_global, n, y);
+    for (; n < n1; ++n) rows_m1<1>(xp, K, codes, scales, tables, rows_per_global, n, y);
+    return;
+  }
+  for (; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
     const uint8_t* s = scales + n * nb;
-    const float* table = tables + (n / rows_per_global) * 256 * 16;
-    if (M == 1 || K > 16384) {
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = xp + m * K;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        for (int64_t p = 0; p < pairs; ++p) {
-          if ((p & 3) == 0) {
-            _mm_prefetch(reinterpret_cast<const char*>(c + p * 16) + 1024, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(s + 2 * p) + 128, _MM_HINT_T0);
-          }
-          __m512 w0, w1;
-          decode_pair(c + p * 16, table + s[2 * p] * 16, table + s[2 * p + 1] * 16, w0, w1);
-          acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr + p * 32), acc0);
-          acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + p * 32 + 16), acc1);
-        }
-        if (tail) acc0 = _mm512_fmadd_ps(decode_one(c + pairs * 16, table + s[2 * pairs] * 16),
-                                         _mm512_loadu_ps(xr + pairs * 32), acc0);
-        y[m * ldy + n] = sum16(_mm512_add_ps(acc0, acc1));
-      }
+    const float* table = tables[n / rows_per_global];
+    if (K > 16384) {
+      for (int64_t m = 0; m < M; ++m) rows_m1<1>(xp + m * K, K, codes, scales, tables, rows_per_global, n, y + m * ldy);
       continue;
     }
     for (int64_t p = 0; p < pairs; ++p) {

@@ -177,7 +177,8 @@ struct Job {
 // per distinct x) and each job's magnitude tables.
 struct Nvfp4Inputs {
   std::vector<std::vector<float>> x;
-  std::vector<std::vector<float>> tables;  // per job (empty for other jobs)
+  std::vector<std::vector<const float*>> tables;  // per job: one table per global scale
+  std::vector<std::vector<float>> spill;            // tables the process-wide cache had no room for
   std::vector<int> which;                  // per job: its permuted x, or -1
 };
 
@@ -190,7 +191,10 @@ inline Nvfp4Inputs nvfp4_inputs(const std::vector<Job>& jobs) {
   for (size_t j = 0; j < jobs.size(); ++j) {
     const Job& b = jobs[j];
     if (!b.nvfp4() || b.M == 0) continue;
-    in.tables[j] = musespark_nvfp4::tables_for(b.globals, b.G, b.x_bf16, avx512);
+    for (int64_t g = 0; g < b.G; ++g) {
+      in.spill.emplace_back();
+      in.tables[j].push_back(musespark_nvfp4::table_for(b.globals[g], b.x_bf16, avx512, in.spill.back()));
+    }
     for (size_t i = 0; i < seen.size(); ++i)
       if (seen[i] == b.x && in.x[i].size() == static_cast<size_t>(b.M * b.K)) in.which[j] = static_cast<int>(i);
     if (in.which[j] >= 0) continue;

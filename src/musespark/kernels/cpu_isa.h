@@ -40,9 +40,9 @@ void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
 
 // NVFP4 weight-only rows (cpu_nvfp4.cpp states the contract): y[m * ldy + n] for n in [n0, n1)
 // from x permuted to the decode order (per 16-block: 8 even then 8 odd elements), codes
-// [N, K/2], scale bytes [N, K/16], and per global scale a table of 256 x 16 signed
-// magnitudes (table[byte * 16 + code]).
+// [N, K/2], scale bytes [N, K/16], and per global scale g a table tables[g] of 256 x 16
+// signed magnitudes (tables[g][byte * 16 + code]).
 void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
-                const float* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y);
+                const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y);
 
 }  // namespace musespark_avx512

@@ -8,7 +8,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace musespark_nvfp4 {
@@ -95,50 +99,102 @@ inline std::vector<float> permute_x(const float* p, int64_t M, int64_t K, bool p
   return out;
 }
 
-// Per global scale g, the decoded magnitudes of every scale byte (see magnitude_table):
-// 8 per byte for the AVX2 rows, or 16 signed ones ([m, -m]) for the AVX-512 rows.
-inline std::vector<float> tables_for(const float* globals, int64_t G, bool round_bf16, bool avx512) {
-  std::vector<float> t8(G * 256 * 8);
-  for (int64_t g = 0; g < G; ++g) {
-    if (round_bf16)
-      magnitude_table<true>(globals[g], t8.data() + g * 256 * 8);
-    else
-      magnitude_table<false>(globals[g], t8.data() + g * 256 * 8);
+// The decoded magnitudes of every scale byte for one global scale g (see magnitude_table):
+// 8 per byte for the AVX2 rows, or 16 signed ones ([m, -m]) for the AVX-512 rows. A pure
+// function of (g, rounding, path), so tables are built once per process and kept (a weight's
+// global scale never changes; 8 or 16 KiB each, at most kMaxTables of them, after which
+// new ones are built per call into `spill`).
+constexpr size_t kMaxTables = 8192;
+
+inline const float* table_for(float g, bool round_bf16, bool avx512, std::vector<float>& spill) {
+  static std::mutex lock;
+  static std::unordered_map<uint64_t, std::unique_ptr<std::vector<float>>> cache;
+  uint32_t bits;
+  std::memcpy(&bits, &g, sizeof bits);
+  const uint64_t key = (static_cast<uint64_t>(bits) << 2) | (round_bf16 ? 2u : 0u) | (avx512 ? 1u : 0u);
+  {
+    std::lock_guard<std::mutex> hold(lock);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second->data();
   }
-  if (!avx512) return t8;
-  std::vector<float> t16(G * 256 * 16);
-  for (int64_t i = 0; i < G * 256; ++i)
-    for (int64_t c = 0; c < 8; ++c) {
-      t16[i * 16 + c] = t8[i * 8 + c];
-      t16[i * 16 + 8 + c] = -t8[i * 8 + c];
+  std::vector<float> t8(256 * 8);
+  if (round_bf16)
+    magnitude_table<true>(g, t8.data());
+  else
+    magnitude_table<false>(g, t8.data());
+  auto table = std::make_unique<std::vector<float>>();
+  if (avx512) {
+    table->resize(256 * 16);
+    for (int64_t i = 0; i < 256; ++i)
+      for (int64_t c = 0; c < 8; ++c) {
+        (*table)[i * 16 + c] = t8[i * 8 + c];
+        (*table)[i * 16 + 8 + c] = -t8[i * 8 + c];
+      }
+  } else {
+    *table = std::move(t8);
+  }
+  std::lock_guard<std::mutex> hold(lock);
+  if (cache.size() >= kMaxTables) {
+    spill = std::move(*table);
+    return spill.data();
+  }
+  auto& slot = cache[key];
+  if (!slot) slot = std::move(table);  // (another thread may have built the same one)
+  return slot->data();
+}
+
+// y[n + r] for R rows from n with one row of x: per row, two 8-lane accumulators over the
+// blocks in order (even and odd elements), summed at the end (the M > 1 path's sums).
+constexpr int kRows = 4;
+
+template <int R>
+inline void rows_m1(const float* xp, int64_t K, const uint8_t* codes, const uint8_t* scales, const float* const* tables,
+                    int64_t rows_per_global, int64_t n, float* y) {
+  const int64_t nb = K / kBlock;
+  const uint8_t* c[R];
+  const uint8_t* s[R];
+  const float* table[R];
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    c[r] = codes + (n + r) * (K / 2);
+    s[r] = scales + (n + r) * nb;
+    table[r] = tables[(n + r) / rows_per_global];
+    acc0[r] = acc1[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 xe = _mm256_loadu_ps(xp + b * kBlock), xo = _mm256_loadu_ps(xp + b * kBlock + 8);
+    for (int r = 0; r < R; ++r) {
+      if ((b & 7) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(c[r] + b * 8) + 1024, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(s[r] + b) + 256, _MM_HINT_T0);
+      }
+      __m256 w0, w1;
+      decode_block(c[r] + b * 8, table[r] + s[r][b] * 8, w0, w1);
+      acc0[r] = _mm256_fmadd_ps(w0, xe, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(w1, xo, acc1[r]);
     }
-  return t16;
+  }
+  for (int r = 0; r < R; ++r) y[n + r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 // Rows [n0, n1) of y (fp32 [M, *], row stride ldy) from permuted x. One row of x: decode and multiply in
 // registers. More rows: decode each weight row once into a scratch row (L1) and run the
 // same accumulation for every x row from it, four x rows at a time.
 inline void rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
-                 const float* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
+                 const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = K / kBlock;
   std::vector<float> scratch(M > 1 ? K : 0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* c = codes + n * (K / 2);
     const uint8_t* s = scales + n * nb;
-    const float* table = tables + (n / rows_per_global) * 256 * 8;
+    const float* table = tables[n / rows_per_global];
     if (M == 1) {
-      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        if ((b & 7) == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(c + b * 8) + 1024, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(s + b) + 256, _MM_HINT_T0);
-        }
-        __m256 w0, w1;
-        decode_block(c + b * 8, table + s[b] * 8, w0, w1);
-        acc0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + b * kBlock), acc0);
-        acc1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + b * kBlock + 8), acc1);
+      if (n + kRows <= n1) {  // four rows at a time: eight independent FMA chains
+        rows_m1<kRows>(xp, K, codes, scales, tables, rows_per_global, n, y);
+        n += kRows - 1;
+      } else {
+        rows_m1<1>(xp, K, codes, scales, tables, rows_per_global, n, y);
       }
-      y[n] = hsum(_mm256_add_ps(acc0, acc1));
       continue;
     }
     float* w = scratch.data();

@@ -19,14 +19,14 @@ rounded to nearest-even explicitly (`_common.round_bf16`) before it is stored.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 
 def available() -> bool:
     """Whether `triton` imports here."""
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
+        importlib.import_module("triton.language")  # imports triton too; a broken install fails here
     except Exception:  # ImportError, or a broken install
         return False
     return True

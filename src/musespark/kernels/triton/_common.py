@@ -6,8 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-
 
 @triton.jit
 def round_bf16(x):
@@ -30,17 +28,27 @@ def round_to(x, OUT_BF16: tl.constexpr):
     return x
 
 
+# Triton decides at decoration (import) time whether a kernel is interpreted; so do we.
+_INTERPRETED = type(round_bf16).__name__ == "InterpretedFunction"
+
+
+def interpreted() -> bool:
+    """Whether these kernels were defined under TRITON_INTERPRET=1 (set before their import)."""
+    return _INTERPRETED
+
+
 def check_device(*tensors: torch.Tensor) -> None:
-    """Raise ValueError unless every tensor is on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    """Raise ValueError unless every tensor is on CUDA, or on CPU with interpreted kernels."""
     for t in tensors:
-        if t.device.type == "cpu" and not interpreting():
-            raise ValueError("Triton kernels run CPU tensors only under TRITON_INTERPRET=1")
+        if t.device.type == "cpu" and not _INTERPRETED:
+            raise ValueError("Triton kernels run CPU tensors only under TRITON_INTERPRET=1, set before "
+                             "musespark.kernels.triton's kernels are imported")
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:
     """Whether a kernel's `tl.dot` operands of `dtype` must be widened to fp32 first: always
     under the interpreter (its dot multiplies bf16 as raw integers)."""
-    return interpreting() and dtype != torch.float32
+    return _INTERPRETED and dtype != torch.float32
 
 
 def dot_precision(dtype: torch.dtype) -> str | None:

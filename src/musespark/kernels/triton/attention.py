@@ -1,0 +1,164 @@
+"""Kernel 6: causal (optionally sliding-window) attention over a paged KV cache, for chunked
+prefill (queries after a cached prefix) and decode (one query per sequence) alike.
+
+Program (tile, kv head): a tile holds up to BLOCK_M (query row, head-of-the-group) pairs of
+one sequence, so the G = nH / nKV query heads that share a kv head read its keys once. Keys
+stream in BLOCK_N blocks through the block table (flat slot = block * block_size + offset)
+with an fp32 online softmax. Masking is by position, as in the reference: a query at
+position p sees keys at positions <= p, and on a sliding layer only those > p - window. Key
+blocks start at a multiple of BLOCK_N whatever the tile, and fully masked keys change
+nothing exactly, so a row's result does not depend on which tile (batch) it is in.
+
+bf16 caches: probabilities are rounded to bf16 before the P·V product (the tensor-core
+form; done explicitly, so the interpreter computes the same numbers as a GPU).
+Without a cache (`kv_caches is None`) the keys are the batch's own k/v rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...layers.attention import AttentionContext, paged_attention as torch_paged_attention
+from ._common import check_device, dot_precision, dot_upcast, is_bf16, pow2, round_to
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, qsl_ptr, len_ptr, bt_ptr, bt_stride,
+                      tile_seq_ptr, tile_pair_ptr, nH, nKV, D, block_size, scale, window,
+                      PAGED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, KV_BF16: tl.constexpr,
+                      OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.load(tile_seq_ptr + tile)
+    G = nH // nKV
+    qs = tl.load(qsl_ptr + b)
+    nq = tl.load(qsl_ptr + b + 1) - qs
+    L = tl.load(len_ptr + b)  # keys of the sequence after this step
+    pairs = tl.load(tile_pair_ptr + tile) + tl.arange(0, BLOCK_M)
+    row_ok = pairs < nq * G
+    qi = pairs // G
+    head = kvh * G + pairs % G
+    ds = tl.arange(0, BLOCK_D)
+    d_ok = ds < D
+    q_rows = (qs + qi).to(tl.int64)
+    q = tl.load(q_ptr + (q_rows[:, None] * nH + head[:, None]) * D + ds[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = tl.load(pos_ptr + q_rows, mask=row_ok, other=0)
+    # Key index range this tile can see (index = position in the paged case).
+    first = L - nq  # index of the sequence's first query
+    last_q = tl.minimum(nq, (tl.load(tile_pair_ptr + tile) + BLOCK_M - 1) // G + 1) - 1
+    hi = first + last_q + 1
+    lo = first * 0
+    if window > 0:
+        lo = tl.maximum(0, first + tl.load(tile_pair_ptr + tile) // G - window + 1)
+    start = (lo // BLOCK_N) * BLOCK_N
+    m_i = tl.full((BLOCK_M,), -1e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for j0 in range(start, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        if PAGED:
+            blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + j // block_size, mask=j < hi, other=-1)
+            key_ok = (j < hi) & (j >= lo) & (blk >= 0)
+            slot = blk.to(tl.int64) * block_size + j % block_size
+            k_pos = j
+        else:
+            key_ok = (j < hi) & (j >= lo)
+            slot = (qs + j).to(tl.int64)
+            k_pos = tl.load(pos_ptr + slot, mask=key_ok, other=0)
+        kv_off = (slot[None, :] * nKV + kvh) * D + ds[:, None]  # [BLOCK_D, BLOCK_N]
+        kt = tl.load(k_ptr + kv_off, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PREC) * scale
+        see = key_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if window > 0:
+            see = see & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + tl.trans(kv_off), mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_BF16:
+            p = round_to(p, True)
+        if UPCAST:
+            v = v.to(tl.float32)
+        else:
+            p = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_rows[:, None] * nH + head[:, None]) * D + ds[None, :], round_to(out, OUT_BF16),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _tile_table(query_start_loc: list[int], group: int, block_m: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, first pair) of every tile; a sequence of n queries has n * group pairs."""
+    seqs, firsts = [], []
+    for b in range(len(query_start_loc) - 1):
+        pairs = (query_start_loc[b + 1] - query_start_loc[b]) * group
+        for p0 in range(0, pairs, block_m):
+            seqs.append(b)
+            firsts.append(p0)
+    return (torch.tensor(seqs, dtype=torch.int32, device=device),
+            torch.tensor(firsts, dtype=torch.int32, device=device))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    ctx: AttentionContext, layer: int, scale: float, window: int | None,
+                    block_m: int = 16, block_n: int = 32, write_cache: bool = True) -> torch.Tensor:
+    """The contract of `layers.attention.paged_attention` (q [T, nH, D], k/v [T, nKV, D],
+    positions [T]) -> o [T, nH, D] in q's dtype. With a paged cache the new k/v are written
+    at the layer group's slot_mapping first (skip with `write_cache=False` when already done),
+    and each sequence's keys are 0 .. seq_len-1 (position = index); without one, each
+    sequence attends over its own rows of k/v."""
+    from .qk_norm_rope import write_kv
+
+    check_device(q)
+    T, nH, D = q.shape
+    nKV = k.shape[1]
+    assert nH % nKV == 0
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    q, positions = q.contiguous(), positions.to(torch.int64).contiguous()
+    paged = ctx.kv_caches is not None
+    if paged:
+        assert ctx.groups is not None and ctx.layer_group is not None
+        group = ctx.groups[ctx.layer_group[layer]]
+        k_cache, v_cache = ctx.kv_caches[layer]
+        if write_cache:
+            write_kv(k, v, group.slot_mapping, k_cache, v_cache)
+        keys, values = k_cache, v_cache
+        tables = group.block_tables.contiguous()
+        block_size, stride = k_cache.shape[1], tables.shape[1]
+    else:
+        keys, values = k.contiguous(), v.contiguous()
+        tables, block_size, stride = positions, 1, 0
+    dev = q.device
+    qsl = torch.tensor(ctx.query_start_loc, dtype=torch.int32, device=dev)
+    lens = torch.tensor(ctx.seq_lens if paged else [ctx.query_start_loc[b + 1] - ctx.query_start_loc[b]
+                                                    for b in range(ctx.num_seqs)], dtype=torch.int32, device=dev)
+    tile_seq, tile_pair = _tile_table(ctx.query_start_loc, nH // nKV, block_m, dev)
+    if tile_seq.numel() == 0:
+        return out
+    upcast = dot_upcast(keys.dtype) or keys.dtype != q.dtype
+    prec = dot_precision(torch.float32 if upcast else keys.dtype)
+    _attention_kernel[(tile_seq.numel(), nKV)](
+        q, keys, values, out, positions, qsl, lens, tables, stride, tile_seq, tile_pair, nH, nKV, D, block_size,
+        float(scale), int(window or 0), PAGED=paged, UPCAST=upcast, PREC=prec, KV_BF16=is_bf16(keys.dtype),
+        OUT_BF16=is_bf16(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(D), num_warps=4)
+    return out
+
+
+def reference_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                              ctx: AttentionContext, layer: int, scale: float, window: int | None) -> torch.Tensor:
+    """`layers.attention.paged_attention` (writes the cache, then attends)."""
+    return torch_paged_attention(q, k, v, positions, ctx, layer, scale, window)
