@@ -93,6 +93,7 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
                   g.sizes() == o.sizes() && g.scalar_type() == o.scalar_type() && g.is_contiguous(),
               "attn_out: o and g must be contiguous bfloat16 (or float32) [T, heads, head_dim] alike");
   const int64_t nH = o.size(1), D = o.size(2);
+  TORCH_CHECK(D % 8 == 0, "attn_out: head_dim must be a multiple of 8, got ", D);
   const Weight wo = weight_arg(o_proj, false, "attn_out: o_proj");
   check_shape(wo, H, nH * D, "attn_out: o_proj");
   check_residual(s, alpha, beta);
@@ -103,7 +104,11 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
       for (int64_t i = 0; i < nH; ++i) {
         const int64_t base = (t * nH + i) * D;
         rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x.data() + base, !bf16);
-        for (int64_t j = 0; j < D; ++j) x[base + j] = x[base + j] * sigmoid(static_cast<float>(gp[base + j]));
+        for (int64_t j = 0; j < D; ++j) tmp[j] = static_cast<float>(gp[base + j]);
+        for (int64_t j = 0; j < D; j += 8) {  // D % 8 == 0; sigmoid with the fused blocks' exp
+          float* xj = x.data() + base + j;
+          _mm256_storeu_ps(xj, _mm256_mul_ps(_mm256_loadu_ps(xj), musespark_simd::sigmoid8(_mm256_loadu_ps(tmp + j))));
+        }
         round_all(x.data() + base, D, bf16);
       }
     });

@@ -122,7 +122,9 @@ inline void check_stream(const Tensor& s, const char* op) {
 // Rounds to bf16 what a bf16 model stores; an fp32 model stores fp32 (nothing to do).
 inline void round_all(float* p, int64_t n, bool bf16) {
   if (!bf16) return;
-  for (int64_t i = 0; i < n; ++i) p[i] = round_bf16(p[i]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, musespark_simd::round_bf16_8(_mm256_loadu_ps(p + i)));
+  for (; i < n; ++i) p[i] = round_bf16(p[i]);
 }
 
 // Row-parallel loop: f(t, tmp) for every row t, tmp holding `scratch` floats per task.

@@ -15,13 +15,17 @@ constexpr float kRouterEps = 1e-15f;  // added to the sum of the chosen scores
 
 // act = bf16(bf16(silu(gate)) * up) over n rows of [gate | up] (2I wide, the model's values;
 // an fp32 model rounds nothing).
+// silu(g) = g / (1 + exp(-g)) with the fused blocks' exp (cpu_simd.h); I % 8 == 0.
 void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
-  auto r16 = [bf16](float v) { return bf16 ? round_bf16(v) : v; };
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t i = 0; i < I; ++i) {
-      const float gate = gu[r * 2 * I + i], up = gu[r * 2 * I + I + i];
-      act[r * I + i] = r16(r16(gate / (1.f + std::exp(-gate))) * up);
-    }
+  using namespace musespark_simd;
+  auto r16 = [bf16](__m256 v) { return bf16 ? round_bf16_8(v) : v; };
+  at::parallel_for(0, n, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t i = 0; i < I; i += 8) {
+        const __m256 gate = _mm256_loadu_ps(gu + r * 2 * I + i), up = _mm256_loadu_ps(gu + r * 2 * I + I + i);
+        _mm256_storeu_ps(act + r * I + i, r16(_mm256_mul_ps(r16(silu8(gate)), up)));
+      }
+  });
 }
 
 // s [T, H] fp32 -> s' [T, H] fp32, a dense SwiGLU MLP:

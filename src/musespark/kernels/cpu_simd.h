@@ -20,4 +20,42 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// exp(x), 8 lanes, for any x: clamped to [-87.3, 88.3] (exp is then ~1e-38 or ~2e38,
+// where every caller's result is already settled), Cody-Waite reduction x = n ln2 + r and
+// the Cephes expf polynomial: relative error about 1e-7 (1-2 ulp from the correctly
+// rounded value). Used where the fused blocks need exp element-wise (silu, sigmoid), so
+// each element's value never depends on how many rows share the loop.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// 1 / (1 + exp(-x)) and x / (1 + exp(-x)), 8 lanes (IEEE division, as the scalar formulas).
+inline __m256 sigmoid8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+inline __m256 silu8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+// fp32 -> nearest bf16 (ties to even), kept as fp32; 8 lanes (finite inputs; NaN stays NaN
+// when quiet). The same bits as at::BFloat16(v) for every finite v.
+inline __m256 round_bf16_8(__m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 }  // namespace musespark_simd
