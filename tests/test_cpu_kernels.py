@@ -127,6 +127,44 @@ def test_paged_decode_attention_matches_dense_softmax(dtype, window, heads):
     assert (got.double() - want).abs().max() < 1e-5
 
 
+def _attention_reference(q, k, v, q0, k0, window, scale, dtype=torch.float64):
+    n, m = q.shape[0], k.shape[0]
+    qp, kp = torch.arange(q0, q0 + n), torch.arange(k0, k0 + m)
+    mask = kp[None, :] <= qp[:, None]
+    if window:
+        mask &= kp[None, :] > qp[:, None] - window
+    groups = q.shape[1] // k.shape[1]
+    q4, k4, v4 = (t.to(dtype).transpose(0, 1)[None] for t in (q, k, v))
+    k4, v4 = k4.repeat_interleave(groups, 1), v4.repeat_interleave(groups, 1)
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)[0].transpose(0, 1)
+
+
+@needs_ops
+@pytest.mark.parametrize("n,m,q0,k0,heads,D,window", [
+    (37, 37, 0, 0, (4, 2), 64, 0),      # a fresh prompt
+    (50, 80, 30, 0, (8, 2), 32, 0),     # a chunk after a cached prefix
+    (100, 100, 0, 0, (4, 4), 128, 17),  # sliding window
+    (9, 40, 31, 0, (2, 1), 16, 8),      # window, prefix, one KV head
+    (33, 26, 50, 57, (4, 2), 48, 20),   # keys starting past 0 (a window's band)
+    (5, 5, 0, 0, (2, 2), 256, 0)])
+def test_prefill_attention_matches_sdpa(n, m, q0, k0, heads, D, window, kernel_path):
+    """bf16 in, bf16 out: no further from a float64 evaluation than PyTorch's own bf16 SDPA
+    (x1.25 + 1 bf16 ulp of the output scale); both round P to bf16 before P V."""
+    if kernel_path != "avx512_bf16":
+        pytest.skip("prefill_attention runs on the avx512_bf16 path only (SDPA elsewhere)")
+    g = torch.Generator().manual_seed(n + m + D)
+    nH, nKV = heads
+    q, k, v = (torch.randn(r, h, D, generator=g).bfloat16() for r, h in ((n, nH), (m, nKV), (m, nKV)))
+    ours = ops.prefill_attention(q, k, v, q0, k0, window, D ** -0.5)
+    exact = _attention_reference(q, k, v, q0, k0, window, D ** -0.5)
+    sdpa = _attention_reference(q, k, v, q0, k0, window, D ** -0.5, torch.bfloat16)
+    err, err_sdpa = (ours.double() - exact).abs().max(), (sdpa.double() - exact).abs().max()
+    assert ours.shape == q.shape and ours.dtype == torch.bfloat16
+    assert err <= 1.25 * err_sdpa + exact.abs().max() / 128, (float(err), float(err_sdpa))
+    # Each row alone: a shorter chunk gives the same rows (batch invariance within a sequence).
+    assert torch.equal(ops.prefill_attention(q[:n // 2], k, v, q0, k0, window, D ** -0.5), ours[:n // 2])
+
+
 @needs_ops
 @pytest.mark.parametrize("in_dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
                                                 (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])

@@ -219,6 +219,9 @@ class CpuBackend(TorchBackend):
         # The fused blocks hold a whole layer: one process (no tensor-parallel partial sums).
         self.fused_blocks = fusable and all(n % 8 == 0 for n in widths) and model.parallel.tp_size == 1
         self.native_decode = cfg.head_dim % 8 == 0
+        # Prefill chunks of bf16 caches: the AVX-512-BF16 kernel (kernels/cpu_prefill_attention.cpp),
+        # when the kernels run that path (checked per call: tests switch paths).
+        self.native_prefill = cfg.head_dim % 16 == 0 and (cfg.head_dim <= 128 or cfg.head_dim == 256)
         # The head kernel needs a dense head, whatever the other modules' formats.
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
@@ -246,7 +249,9 @@ class CpuBackend(TorchBackend):
         native = (self.native_decode and ctx.kv_caches is not None
                   and ctx.kv_caches[attn.layer][0].dtype in _NATIVE_CACHE_DTYPES)
         return paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window,
-                               decode=self.ops.paged_decode_attention if native else None)
+                               decode=self.ops.paged_decode_attention if native else None,
+                               prefill=self.ops.prefill_attention if native and self.native_prefill
+                               and self.ops.isa_path() == "avx512_bf16" else None)
 
     def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(o.dtype, s.shape[0])):

@@ -227,3 +227,128 @@ void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, con
 }
 
 }  // namespace musespark_avx512
+
+// ---- prefill attention (bf16 q, k, v; vdpbf16ps for Q K^T and P V) ------------------------
+
+namespace musespark_avx512 {
+namespace {
+
+// exp(x) for x <= 0, 16 lanes (the Cephes polynomial of cpu_simd.h's exp8; x < -87 gives ~1e-38).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// R query rows (consecutive tokens of one head) x CH chunks of 16 output dimensions
+// (D = 16 CH): the rows share every K and V load; their outputs stay in registers.
+template <int R, int CH>
+void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp, const uint16_t* vp, int64_t m,
+                 int64_t q0, int64_t k0, int64_t window, float scale, int64_t t, int rows, uint16_t* out) {
+  constexpr int64_t D = 16 * CH, pairs = D / 2;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  // Keys any of these rows reaches: positions (pos - window, pos], as key indices.
+  const int64_t first_pos = q0 + t, last_pos = q0 + t + rows - 1;
+  int64_t k_lo = window > 0 ? first_pos - window + 1 - k0 : 0;
+  if (k_lo < 0) k_lo = 0;
+  int64_t k_hi = last_pos - k0 + 1;  // exclusive
+  if (k_hi > m) k_hi = m;
+  const uint16_t* qr[R];
+  __m512 mx[R], sum[R], o[R][CH];  // running max (all lanes equal), lane-wise normalizer, output
+  for (int r = 0; r < R; ++r) {
+    qr[r] = q + ((t + (r < rows ? r : 0)) * nH + head) * D;
+    mx[r] = neg_inf;
+    sum[r] = _mm512_setzero_ps();
+    for (int c = 0; c < CH; ++c) o[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t b = k_lo / 16; b * 16 < k_hi; ++b) {
+    __m512 s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    const uint16_t* kb = kp + b * pairs * 32;
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + j * 32);
+      for (int r = 0; r < R; ++r) {
+        int32_t qpair;
+        __builtin_memcpy(&qpair, qr[r] + 2 * j, 4);
+        s[r] = _mm512_dpbf16_ps(s[r], kv, (__m512bh)_mm512_set1_epi32(qpair));
+      }
+    }
+    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + b * 16)), lane);  // positions
+    alignas(64) int32_t pp[R][8];  // each row's weights as bf16 pairs of keys
+    for (int r = 0; r < R; ++r) {
+      const int64_t pos = q0 + t + r;
+      __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)));
+      ok &= _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k0 + m)));
+      if (window > 0) ok &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - window)));
+      if (r >= rows) ok = 0;
+      const __m512 sc = _mm512_mask_mov_ps(neg_inf, ok, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
+      const __m512 nmax = _mm512_max_ps(mx[r], _mm512_set1_ps(_mm512_reduce_max_ps(sc)));
+      // Nothing reachable yet: keep the row empty (exp of -inf - -inf would be NaN).
+      const __mmask16 live = _mm512_cmp_ps_mask(nmax, neg_inf, _CMP_NEQ_OQ);
+      const __m512 corr = _mm512_maskz_mov_ps(live & _mm512_cmp_ps_mask(mx[r], neg_inf, _CMP_NEQ_OQ),
+                                              exp16(_mm512_sub_ps(mx[r], nmax)));
+      const __m512 p = _mm512_maskz_mov_ps(ok & live, exp16(_mm512_sub_ps(sc, nmax)));
+      const __m256bh pb = _mm512_cvtneps_pbh(p);  // P in bf16 for the P V product (as flash attention)
+      sum[r] = _mm512_fmadd_ps(sum[r], corr, _mm512_cvtpbh_ps(pb));
+      mx[r] = nmax;
+      for (int c = 0; c < CH; ++c) o[r][c] = _mm512_mul_ps(o[r][c], corr);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)pb);
+    }
+    const uint16_t* vb = vp + b * 8 * D * 2;  // this block's 8 key pairs
+    for (int i = 0; i < 8; ++i) {
+      __m512bh pv[R];
+      for (int r = 0; r < R; ++r) pv[r] = (__m512bh)_mm512_set1_epi32(pp[r][i]);
+      for (int c = 0; c < CH; ++c) {
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vb + (i * CH + c) * 32);
+        for (int r = 0; r < R; ++r) o[r][c] = _mm512_dpbf16_ps(o[r][c], vv, pv[r]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float total = _mm512_reduce_add_ps(sum[r]);
+    const __m512 inv = _mm512_set1_ps(total > 0.f ? 1.f / total : 0.f);  // no reachable key: zeros
+    uint16_t* dst = out + ((t + r) * nH + head) * D;
+    for (int c = 0; c < CH; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][c], inv)));
+  }
+}
+
+template <int R, int CH>
+void attend_all(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp, const uint16_t* vp, int64_t m,
+                int64_t q0, int64_t k0, int64_t window, float scale, int64_t t0, int64_t t1, uint16_t* out) {
+  for (int64_t t = t0; t < t1; t += R)
+    attend_rows<R, CH>(q, nH, head, kp, vp, m, q0, k0, window, scale, t, static_cast<int>(t1 - t < R ? t1 - t : R),
+                       out);
+}
+
+}  // namespace
+
+void prefill_attention_rows(const uint16_t* q, int64_t nH, int64_t D, int64_t head, const uint16_t* kp,
+                            const uint16_t* vp, int64_t m, int64_t q0, int64_t k0, int64_t window, float scale,
+                            int64_t t0, int64_t t1, uint16_t* out) {
+  switch (D) {  // registers: R * CH output vectors plus R scores, max and sum vectors
+    case 16: return attend_all<4, 1>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    case 32: return attend_all<4, 2>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    case 48: return attend_all<4, 3>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    case 64: return attend_all<4, 4>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    case 80: return attend_all<2, 5>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    case 96: return attend_all<2, 6>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    case 112: return attend_all<2, 7>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    case 128: return attend_all<2, 8>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+    default: return attend_all<1, 16>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);  // 256
+  }
+}
+
+}  // namespace musespark_avx512

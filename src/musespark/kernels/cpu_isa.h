@@ -45,4 +45,12 @@ void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
 void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                 const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y);
 
+// Causal (optionally sliding-window) attention of one query head over packed keys and
+// values (cpu_prefill_attention.cpp packs them and states the contract): rows t in
+// [t0, t1) of q [n, nH, D] (positions q0 + t) against m keys (positions k0 + i), bf16
+// out [n, nH, D]. Scores and the online softmax in fp32; P rounded to bf16 for P V.
+void prefill_attention_rows(const uint16_t* q, int64_t nH, int64_t D, int64_t head, const uint16_t* kp,
+                            const uint16_t* vp, int64_t m, int64_t q0, int64_t k0, int64_t window, float scale,
+                            int64_t t0, int64_t t1, uint16_t* out);
+
 }  // namespace musespark_avx512

@@ -105,6 +105,14 @@ class DecodeKernel(Protocol):
         own included), window 0 = none -> [B, nH, D] fp32."""
 
 
+class PrefillKernel(Protocol):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int, window: int,
+                 scale: float) -> torch.Tensor:
+        """One sequence's chunk: q [n, nH, D] at positions q_start.., k, v [m, nKV, D] at
+        positions k_start.. (every key the chunk reaches, in order), window 0 = none ->
+        [n, nH, D] in q's dtype, causal."""
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, nH, D]
     k: torch.Tensor,  # [T, nKV, D]
@@ -115,10 +123,11 @@ def paged_attention(
     scale: float,
     window: int | None,
     decode: DecodeKernel | None = None,
+    prefill: PrefillKernel | None = None,
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention for every sequence of the batch -> [T, nH, D].
     With a paged cache, the new K/V are written first; `decode` (if given) computes the
-    single-query rows."""
+    single-query rows, `prefill` (if given) the bf16 chunks of several rows."""
     out = torch.empty_like(q)
     qsl = ctx.query_start_loc
     if ctx.kv_caches is None:
@@ -160,6 +169,11 @@ def paged_attention(
     for b in range(ctx.num_seqs):
         s, e = qsl[b], qsl[b + 1]
         if e == s or (single and e - s == 1) or b in skip:
+            continue
+        if prefill is not None and q.dtype == k_flat.dtype == torch.bfloat16:
+            slots, k_pos = _reachable_slots(group.block_tables[b], ctx.seq_lens[b], e - s, block_size, window)
+            out[s:e] = prefill(q[s:e], k_flat[slots], v_flat[slots], ctx.seq_lens[b] - (e - s), int(k_pos[0]),
+                               window or 0, scale)
             continue
         out[s:e] = _attend_chunk(q[s:e], k_flat, v_flat, positions[s:e], group.block_tables[b], ctx.seq_lens[b],
                                  block_size, scale, window)
