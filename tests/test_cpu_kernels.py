@@ -127,7 +127,7 @@ def test_paged_decode_attention_matches_dense_softmax(dtype, window, heads):
     assert (got.double() - want).abs().max() < 1e-5
 
 
-def _attention_reference(q, k, v, q0, k0, window, scale, dtype=torch.float64):
+def _chunk_attention_reference(q, k, v, q0, k0, window, scale, dtype=torch.float64):
     n, m = q.shape[0], k.shape[0]
     qp, kp = torch.arange(q0, q0 + n), torch.arange(k0, k0 + m)
     mask = kp[None, :] <= qp[:, None]
@@ -156,8 +156,8 @@ def test_prefill_attention_matches_sdpa(n, m, q0, k0, heads, D, window, kernel_p
     nH, nKV = heads
     q, k, v = (torch.randn(r, h, D, generator=g).bfloat16() for r, h in ((n, nH), (m, nKV), (m, nKV)))
     ours = ops.prefill_attention(q, k, v, q0, k0, window, D ** -0.5)
-    exact = _attention_reference(q, k, v, q0, k0, window, D ** -0.5)
-    sdpa = _attention_reference(q, k, v, q0, k0, window, D ** -0.5, torch.bfloat16)
+    exact = _chunk_attention_reference(q, k, v, q0, k0, window, D ** -0.5)
+    sdpa = _chunk_attention_reference(q, k, v, q0, k0, window, D ** -0.5, torch.bfloat16)
     err, err_sdpa = (ours.double() - exact).abs().max(), (sdpa.double() - exact).abs().max()
     assert ours.shape == q.shape and ours.dtype == torch.bfloat16
     assert err <= 1.25 * err_sdpa + exact.abs().max() / 128, (float(err), float(err_sdpa))
