@@ -80,7 +80,9 @@ def rewrite(path: Path, edit) -> None:
 
 
 def load(path, dtype="float32"):
-    return musespark.load_model(path, dtype=dtype)
+    """The torch backend, as the reference models here: these tests compare loaded weights
+    through exact logits, which only one computation gives bit for bit."""
+    return musespark.load_model(path, dtype=dtype, backend="torch")
 
 
 # ============================================================================ errors
