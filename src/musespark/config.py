@@ -326,7 +326,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-BackendName = Literal["auto", "torch", "cpu"]  # see musespark.backends
+BackendName = Literal["auto", "torch", "cpu", "triton"]  # see musespark.backends
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 
 
@@ -368,3 +368,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: Any = None  # engine.spec_decode.config.SpeculativeConfig, or None: no speculative decoding

@@ -2,6 +2,8 @@
 
 * `torch` — the reference formulas in plain PyTorch; every dtype and device.
 * `cpu`   — the native kernels (`kernels/`) on x86-64 CPUs with AVX2 and FMA.
+* `triton` — Triton kernels at the decoder's boundaries (`kernels/triton/`) for a model on a
+  CUDA device (on the CPU only under TRITON_INTERPRET=1, for tests); never chosen by `auto`.
 * `auto`  — `cpu` for a model on the CPU when the kernels are available (they are not
   under `MUSESPARK_CPU_KERNELS=0`, without a compiler, or on other CPUs), else `torch`
   (always `torch` for one rank of a tensor/pipeline-parallel model).
@@ -21,12 +23,15 @@ from .torch_backend import TorchBackend
 if TYPE_CHECKING:
     from ..model.muse_spark import MuseSparkForCausalLM
 
-
 def select_backend(name: str | Backend, model: "MuseSparkForCausalLM") -> Backend:
     """The backend `name` for `model` (a Backend instance is returned as it is).
     Raises ValueError naming `backend` for an unknown name or one that cannot run here."""
     if isinstance(name, Backend):
         return name
+    if name == "triton":
+        from .triton_backend import TritonBackend
+
+        return TritonBackend(model)  # raises ValueError where it cannot run
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
     if name == "torch":

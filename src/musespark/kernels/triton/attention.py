@@ -16,6 +16,8 @@ Without a cache (`kv_caches is None`) the keys are the batch's own k/v rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -98,27 +100,46 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, qsl_ptr, len_ptr, b
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _tile_table(query_start_loc: list[int], group: int, block_m: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, first pair) of every tile; a sequence of n queries has n * group pairs."""
+@dataclass(frozen=True)
+class AttentionMeta:
+    """A step's per-sequence tables on the device, shared by every layer of the step (one
+    host-to-device copy): query_start_loc [B+1], key counts [B] (seq_lens with a cache, the
+    query counts without), and the tile table: sequence and first (query, head) pair [tiles]."""
+
+    qsl: torch.Tensor
+    lens: torch.Tensor
+    tile_seq: torch.Tensor
+    tile_pair: torch.Tensor
+    group: int  # query heads per kv head the tiles were laid out for
+    block_m: int
+
+
+def attention_meta(ctx: AttentionContext, group: int, device: torch.device, block_m: int = 16) -> AttentionMeta:
+    """The tables of `ctx` for `group` query heads per kv head, in one int32 copy to `device`."""
+    qsl = list(ctx.query_start_loc)
+    B = len(qsl) - 1
+    lens = list(ctx.seq_lens) if ctx.kv_caches is not None else [qsl[b + 1] - qsl[b] for b in range(B)]
     seqs, firsts = [], []
-    for b in range(len(query_start_loc) - 1):
-        pairs = (query_start_loc[b + 1] - query_start_loc[b]) * group
-        for p0 in range(0, pairs, block_m):
+    for b in range(B):
+        for p0 in range(0, (qsl[b + 1] - qsl[b]) * group, block_m):
             seqs.append(b)
             firsts.append(p0)
-    return (torch.tensor(seqs, dtype=torch.int32, device=device),
-            torch.tensor(firsts, dtype=torch.int32, device=device))
+    flat = torch.tensor(qsl + lens + seqs + firsts, dtype=torch.int32).to(device, non_blocking=True)
+    n = len(seqs)
+    return AttentionMeta(flat[:B + 1], flat[B + 1:2 * B + 1], flat[2 * B + 1:2 * B + 1 + n], flat[2 * B + 1 + n:],
+                         group, block_m)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     ctx: AttentionContext, layer: int, scale: float, window: int | None,
-                    block_m: int = 16, block_n: int = 32, write_cache: bool = True) -> torch.Tensor:
+                    block_m: int = 16, block_n: int = 32, write_cache: bool = True,
+                    meta: AttentionMeta | None = None) -> torch.Tensor:
     """The contract of `layers.attention.paged_attention` (q [T, nH, D], k/v [T, nKV, D],
     positions [T]) -> o [T, nH, D] in q's dtype. With a paged cache the new k/v are written
     at the layer group's slot_mapping first (skip with `write_cache=False` when already done),
     and each sequence's keys are 0 .. seq_len-1 (position = index); without one, each
-    sequence attends over its own rows of k/v."""
+    sequence attends over its own rows of k/v. `meta`: `attention_meta(ctx, ...)` made once
+    per step (made here when None)."""
     from .qk_norm_rope import write_kv
 
     check_device(q)
@@ -142,17 +163,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     else:
         keys, values = k.contiguous(), v.contiguous()
         tables, block_size, stride = positions, 1, 0
-    dev = q.device
-    qsl = torch.tensor(ctx.query_start_loc, dtype=torch.int32, device=dev)
-    lens = torch.tensor(ctx.seq_lens if paged else [ctx.query_start_loc[b + 1] - ctx.query_start_loc[b]
-                                                    for b in range(ctx.num_seqs)], dtype=torch.int32, device=dev)
-    tile_seq, tile_pair = _tile_table(ctx.query_start_loc, nH // nKV, block_m, dev)
-    if tile_seq.numel() == 0:
+    if meta is None:
+        meta = attention_meta(ctx, nH // nKV, q.device, block_m)
+    assert meta.group == nH // nKV and meta.block_m == block_m
+    if meta.tile_seq.numel() == 0:
         return out
     upcast = dot_upcast(keys.dtype) or keys.dtype != q.dtype
     prec = dot_precision(torch.float32 if upcast else keys.dtype)
-    _attention_kernel[(tile_seq.numel(), nKV)](
-        q, keys, values, out, positions, qsl, lens, tables, stride, tile_seq, tile_pair, nH, nKV, D, block_size,
+    _attention_kernel[(meta.tile_seq.numel(), nKV)](
+        q, keys, values, out, positions, meta.qsl, meta.lens, tables, stride, meta.tile_seq, meta.tile_pair, nH, nKV,
+        D, block_size,
         float(scale), int(window or 0), PAGED=paged, UPCAST=upcast, PREC=prec, KV_BF16=is_bf16(keys.dtype),
         OUT_BF16=is_bf16(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(D), num_warps=4)
     return out
