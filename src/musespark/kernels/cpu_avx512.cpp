@@ -21,6 +21,7 @@ constexpr int kMR = 6;
 // x rows per chunk: the chunk's bf16 rows stay in L2 (~256 KiB) while every weight tile
 // of the thread's slice passes over them; the weights are re-read once per chunk.
 constexpr int64_t kChunkBytes = 256 * 1024;
+constexpr int64_t kRowAhead = 4096;  // bytes prefetched ahead in a one-row-of-x product
 
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
@@ -37,7 +38,7 @@ inline float sum16(__m512 v) {
 // NR weight rows x MR x rows; acc[n][m] += w[n, k:k+32] . x[m, k:k+32] over K in order,
 // the last partial step zero-masked (adding +0 products changes no sum).
 template <int NR, int MR>
-inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t ldy, bool prefetch) {
+inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t ldy, int64_t ahead) {
   __m512 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) acc[n][m] = _mm512_setzero_ps();
@@ -45,7 +46,7 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int6
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[NR];
     for (int n = 0; n < NR; ++n) {
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + (n + NR) * K + k), _MM_HINT_T0);
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + ahead, _MM_HINT_T0);
       wv[n] = load_bh(w + n * K + k);
     }
     for (int m = 0; m < MR; ++m) {
@@ -69,7 +70,7 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int6
 // NR weight rows against x rows [0, M) (M <= chunk): MR-row tiles, then the remainder.
 template <int NR>
 inline void rows_of_tile(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy,
-                         bool prefetch) {
+                         int64_t prefetch) {
   int64_t m = 0;
   for (; m + kMR <= M; m += kMR) tile<NR, kMR>(x + m * K, K, w, y + m * ldy, ldy, prefetch);
   switch (M - m) {
@@ -88,15 +89,22 @@ void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
                int64_t ldy) {
   int64_t chunk = kChunkBytes / (2 * K);
   chunk = chunk < kMR ? kMR : chunk - chunk % kMR;
-  // Decode-sized M streams the weights: prefetch the next tile's lines.
-  const bool prefetch = M <= 4;
+  // Decode-sized M streams the weights and prefetches ahead of each row's reads: one row of
+  // x goes row by row through the weight, 4 KiB ahead (measured best here: 44-50 GB/s from
+  // DRAM on 2 threads against 37-47 for 4-row tiles); 2-4 rows of x use 4-row tiles and fetch
+  // the next tile. (Each element's sum is the same whichever: batch invariant.)
+  if (M == 1) {
+    for (int64_t n = n0; n < n1; ++n) tile<1, 1>(x, K, w + n * K, y + n, ldy, kRowAhead);
+    return;
+  }
+  const int64_t ahead = M <= 4 ? kNR * K * 2 : 0;
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
     const int64_t mc = M - c0 < chunk ? M - c0 : chunk;
     const uint16_t* xc = x + c0 * K;
     float* yc = y + c0 * ldy;
     int64_t n = n0;
-    for (; n + kNR <= n1; n += kNR) rows_of_tile<kNR>(xc, mc, K, w + n * K, yc + n, ldy, prefetch);
-    for (; n < n1; ++n) rows_of_tile<1>(xc, mc, K, w + n * K, yc + n, ldy, false);
+    for (; n + kNR <= n1; n += kNR) rows_of_tile<kNR>(xc, mc, K, w + n * K, yc + n, ldy, ahead);
+    for (; n < n1; ++n) rows_of_tile<1>(xc, mc, K, w + n * K, yc + n, ldy, 0);
   }
 }
 
