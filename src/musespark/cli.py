@@ -161,6 +161,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         if final is not None:
             c = final.outputs[0]
             print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}]", file=sys.stderr, flush=True)
+    stats = llm.engine.get_stats()
+    if stats.num_speculative_tokens and stats.spec_num_drafts:
+        mean = 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
+        print(f"[speculative decoding: mean acceptance length {mean:.2f} over {stats.spec_num_drafts} drafts]",
+              file=sys.stderr, flush=True)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 The engine flags are `EngineArgs`' (engine/args.py) with two bench defaults: 256 sequences,
 and prefix caching off (random prompts share nothing, and benchmarks should not hit it).
+`--speculative-config` (an EngineArgs flag) turns speculative decoding on; latency and
+throughput then report its acceptance (`spec_decode_summary`) under "speculative".
 """
 
 from __future__ import annotations
@@ -62,3 +64,19 @@ def model_info(llm: Any, path: Any) -> dict[str, Any]:
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> dict[str, list[int]]:
     """A prompt of `length` random token ids (ids 0..2 avoided: pad/bos/eos in the presets)."""
     return {"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(length)]}
+
+
+def spec_decode_summary(llm: Any) -> dict[str, Any] | None:
+    """Speculative decoding's counters over the LLM's life (warm-up included), or None when
+    it is off: vLLM's mean acceptance length is 1 + accepted / drafts (tokens per verifying
+    step of a request), acceptance rate accepted / draft tokens."""
+    spec = llm.engine.engine_config.speculative
+    if spec is None:
+        return None
+    s = llm.engine.get_stats()
+    drafts, draft_tokens = s.spec_num_drafts, s.spec_num_draft_tokens
+    return {"config": spec.to_dict(), "num_drafts": drafts, "num_draft_tokens": s.spec_num_draft_tokens,
+            "num_accepted_tokens": s.spec_num_accepted_tokens,
+            "mean_acceptance_length": 1 + s.spec_num_accepted_tokens / drafts if drafts else None,
+            "acceptance_rate": s.spec_num_accepted_tokens / draft_tokens if draft_tokens else None,
+            "accepted_per_position": list(s.spec_accepted_per_pos)}

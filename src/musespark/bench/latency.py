@@ -5,7 +5,9 @@ A batch of --batch-size random prompts of --input-len tokens each generates exac
 Reported, over iterations: end-to-end latency of the batch (mean, p10..p99); prefill time
 (from submit until every request has its first token, i.e. the batch's TTFT); per-output-token
 decode time (each later engine step, one token for every request) p50/p90/p99; and decode
-tokens/s for the batch.
+tokens/s for the batch. With --speculative-config a step may yield several tokens per
+request: decode_ms_per_token is then per step, decode_tokens_per_s stays per token, and
+"speculative" holds the mean acceptance length.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from ..sampling_params import SamplingParams
 from .common import percentiles, print_json
-from .engine_args import add_model_args, build_llm, model_info, random_prompt
+from .engine_args import add_model_args, build_llm, model_info, random_prompt, spec_decode_summary
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_ms_per_token": percentiles(decode_steps),
         "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else None,
         "latencies_s": latencies,
+        "speculative": spec_decode_summary(llm),
     }
 
 
@@ -93,5 +96,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"  decode/token  {dec['mean']:9.2f} ms  p50 {dec['p50']:9.2f}  p90 {dec['p90']:9.2f}  p99 {dec['p99']:9.2f}")
     if out["decode_tokens_per_s"]:
         print(f"  decode   {out['decode_tokens_per_s']:.1f} tokens/s (batch)")
+    if out["speculative"] and out["speculative"]["mean_acceptance_length"] is not None:
+        print(f"  speculative: mean acceptance length {out['speculative']['mean_acceptance_length']:.2f}")
     print_json(out)
     return 0

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..sampling_params import SamplingParams
 from .common import parse_range, print_json
-from .engine_args import add_model_args, build_llm, model_info, random_prompt
+from .engine_args import add_model_args, build_llm, model_info, random_prompt, spec_decode_summary
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed, "elapsed_s": elapsed, "total_prompt_tokens": in_tokens, "total_output_tokens": out_tokens,
         "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+        "speculative": spec_decode_summary(llm),
     }
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from ..checkpoint.loader import load_config
 from ..config import BACKENDS, CacheConfig, EngineConfig, ModelSettings, ParallelConfig, SchedulerConfig
 from ..errors import InvalidArgumentError
+from .spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL_ENV = "MUSESPARK_MODEL"
 BUNDLED_MODEL_NAME = "musespark-tiny"
@@ -90,6 +91,9 @@ class EngineArgs:
     nvfp4_mode: str = field(default="weight-only", metadata={"cli": _flag(
         "NVFP4 checkpoints: weight-only (bf16 activations, vLLM on Hopper) or w4a4 (activations quantized "
         "per 16, vLLM on Blackwell)", choices=("weight-only", "w4a4"))})
+    speculative_config: Any = field(default=None, metadata={"cli": _flag(
+        "speculative decoding, vLLM's JSON keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}' or method \"dspark\" with \"model\": DRAFT_DIR (default: off)")})
     generation_config: str = field(default="auto", metadata={"cli": _flag(
         "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none: vLLM's "
         "defaults), or a directory holding a generation_config.json")})
@@ -132,6 +136,14 @@ class EngineArgs:
         batched = self.max_num_batched_tokens
         if batched is None and isinstance(max_len, int):
             batched = max(2048, min(max_len, 8192))
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None and self.pipeline_parallel_size != 1:
+            raise InvalidArgumentError("speculative decoding does not support pipeline_parallel_size > 1 "
+                                       f"(got {self.pipeline_parallel_size})", param="speculative_config")
+        if speculative is not None and speculative.method == "dspark" and self.tensor_parallel_size != 1:
+            raise InvalidArgumentError("speculative method 'dspark' does not support tensor_parallel_size > 1 yet "
+                                       "(the draft reads rank 0's shard of the target); use 'ngram' or one process",
+                                       param="speculative_config")
         return EngineConfig(
             model=ModelSettings(path=path, dtype=self.dtype, backend=self.backend, seed=self.seed,
                                 generation_config=self.generation_config, nvfp4_mode=self.nvfp4_mode),
@@ -143,6 +155,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel),
+            speculative=speculative,
         )
 
 

@@ -15,6 +15,11 @@ Invariants:
   a seed drawn from the engine's generator (seeded with `ModelSettings.seed`), so unseeded
   sampling is reproducible run to run and no global RNG is touched.
 * Work per step is proportional to the tokens computed this step.
+* Speculative decoding (`config.speculative`): verification and rollback are the runner's
+  and the scheduler's (`spec_decode/rejection.py`, `Scheduler.update`); the `Speculator`
+  asks the proposer for the next step's drafts after each step. A step may then return
+  several tokens per sequence; they are exactly the tokens one-at-a-time decoding would
+  have produced up to the first stop (greedy), or distributed as they would be (sampled).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ..sampling_params import SamplingParams
 from .model_runner import ModelRunner, TokenLogprobs
 from .request import Request
 from .scheduler import Scheduler
+from .spec_decode.speculator import Speculator, build_proposer
 
 _SEED_BOUND = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
 
@@ -60,6 +66,12 @@ class EngineStats:
     prefix_hits: int = 0  # of which were found
     num_preemptions: int = 0
     num_steps: int = 0
+    # Speculative decoding (vLLM's spec_decode counters); num_speculative_tokens 0: off.
+    num_speculative_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 class EngineCore:
@@ -84,6 +96,15 @@ class EngineCore:
         if self.executor is not None:
             self.executor.start(self.runner.num_blocks)
         self.scheduler = Scheduler(sched, config.cache, self.runner.num_blocks, self.runner.layout.group_windows)
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            if config.parallel.pipeline_parallel_size > 1:
+                raise InvalidArgumentError("speculative decoding does not support pipeline_parallel_size > 1",
+                                           param="speculative_config")
+            proposer = build_proposer(config.speculative, self.model, settings.path)
+            self.speculator = Speculator(config.speculative, proposer, self.model.config.vocab_size,
+                                         sched.max_model_len)
+            self.runner.aux_layers = tuple(proposer.aux_layers)
         self._seeds = torch.Generator()  # CPU: draws one seed per unseeded sampled request
         if settings.seed is None:
             self._seeds.seed()
@@ -117,6 +138,8 @@ class EngineCore:
         """Finish with reason "abort" and free blocks at once; unknown or finished ids are ignored."""
         for request_id in request_ids:
             self.scheduler.abort(request_id)
+            if self.speculator is not None:
+                self.speculator.drop(request_id)
 
     def finish_requests(self, finished: Iterable[tuple[str, str]]) -> None:
         """Finish (request id, stop string) pairs the output processor found; frees their blocks."""
@@ -124,6 +147,8 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is not None:
                 self.scheduler.finish_request(request, "stop", stop)
+                if self.speculator is not None:
+                    self.speculator.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -137,9 +162,20 @@ class EngineCore:
             return []
         out = self.runner.execute(batch)
         self.num_steps += 1
-        self.scheduler.update(batch, out.sampled)
+        computed_before = [r.num_computed_tokens for r in batch.requests]
+        num_out_before = [len(r.output_token_ids) for r in batch.requests]
+        finished = self.scheduler.update(batch, out.sampled, out.verified)
         outputs = []
-        for request in batch.requests:
+        for i, request in enumerate(batch.requests):
+            if request.request_id in out.verified:  # speculation: the accepted run, cut at a stop
+                new = request.output_token_ids[num_out_before[i]:]
+                if new:
+                    lps = out.verified_logprobs.get(request.request_id)
+                    outputs.append(EngineCoreOutput(
+                        request_id=request.request_id, new_token_ids=new,
+                        new_logprobs=None if lps is None else lps[:len(new)], finish_reason=request.finish_reason,
+                        stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
+                continue
             token = out.sampled.get(request.request_id)
             scored = out.prompt_logprobs.get(request.request_id)
             if token is None and scored is None:  # a prefill chunk that did not reach the end of the prompt
@@ -150,10 +186,13 @@ class EngineCore:
                 new_logprobs=None if lp is None else [lp], finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
                 prompt_logprobs=scored))
+        if self.speculator is not None:
+            self.speculator.after_step(batch, out, computed_before, finished)
         return outputs
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            kv_usage=kv.usage(), prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-                           num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+                           num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+                           **(self.speculator.stats() if self.speculator is not None else {}))

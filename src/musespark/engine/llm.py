@@ -48,6 +48,7 @@ class LLM:
         enable_expert_parallel: bool = False,
         pipeline_parallel_size: int = 1,
         nvfp4_mode: str = "weight-only",
+        speculative_config: dict[str, Any] | str | None = None,
         show_progress: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -58,9 +59,11 @@ class LLM:
                           block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
                           enable_prefix_caching=enable_prefix_caching, seed=seed, generation_config=generation_config,
                           tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
-                          pipeline_parallel_size=pipeline_parallel_size, nvfp4_mode=nvfp4_mode)
+                          pipeline_parallel_size=pipeline_parallel_size, nvfp4_mode=nvfp4_mode,
+                          speculative_config=speculative_config)
+        config = args.create_engine_config()  # every argument checked before the progress bar appears
         progress = _progress_bar("Loading weights") if show_progress else None
-        self.engine = LLMEngine(args.create_engine_config(), progress=progress)
+        self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -11,6 +11,11 @@ cache holds S K/V tensor pairs `[num_blocks, block_size, nKV, D]`; the j-th laye
 every group uses pair j. A block id belongs to one group at a time, so groups never
 write into each other's blocks, and a sliding group that releases blocks outside its
 window really gives memory back to the pool.
+
+Speculative decoding: a request with k drafts this step feeds its anchor and drafts as one
+chunk whose rows attend row by row as decode rows (`AttentionContext.row_wise`: the same
+numbers as one-at-a-time decoding) and all k + 1 rows get logits, verified by
+`spec_decode.rejection.verify_step`; the runner exports the proposer's aux streams.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ..model.muse_spark import MuseSparkForCausalLM
 from .block_pool import NULL_BLOCK, num_blocks_for_budget
 from .request import Request
 from .scheduler import ScheduledBatch
+from .spec_decode.rejection import verify_step
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ class StepInputs:
     groups: list[tuple[list[int], list[list[int]]]]  # per KV group: (slot of each new token, block table per seq)
     sample_rows: list[int]  # rows whose logits sample a token
     scored_rows: list[tuple[int, int]]  # prompt_logprobs: (first row, rows)
+    row_wise: list[int] = field(default_factory=list)  # sequences verifying drafts: attention row by row
 
 
 def _relay(logits: torch.Tensor | None, shape: tuple[int, int], source: int, device: torch.device
@@ -117,6 +124,13 @@ class ModelRunnerOutput:
     # For requests that asked for prompt_logprobs and computed prompt positions this step:
     # (position of the first prompt token scored, one TokenLogprobs per scored token).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Speculative decoding: per request that had drafts, its accepted drafts then one more
+    # token, and (if asked) their logprobs; `aux` [T, len(aux_layers) * H] fp32 is the
+    # step's exported residual streams, `first_row` each request's first row in it.
+    verified: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    aux: torch.Tensor | None = None
+    first_row: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -128,6 +142,8 @@ class ModelRunner:
                  *, num_blocks: int | None = None, broadcast: Callable[[StepInputs], None] | None = None) -> None:
         self.model = model
         self.broadcast = broadcast
+        self.aux_layers: tuple[int, ...] = ()  # decoder layers whose output streams a proposer reads
+        self.last_aux: torch.Tensor | None = None
         cfg = model.config
         self.layout = kv_layout(cfg)
         self.block_size = cache.block_size
@@ -172,8 +188,17 @@ class ModelRunner:
         logits = self.forward(inputs, score)
         for j, (request, first) in enumerate(scored_reqs):
             out.prompt_logprobs[request.request_id] = (first + 1, results.get(j, []))
-        if sample_reqs:
+        if self.last_aux is not None:
+            out.aux, self.last_aux = self.last_aux, None
+            out.first_row = {r.request_id: row for r, row in zip(batch.requests, inputs.query_start_loc)}
+        if not sample_reqs:
+            return out
+        if not any(batch.spec_token_ids):
             self._sample(logits, sample_reqs, out)
+            return out
+        # Speculation: requests with drafts verify their k + 1 rows; the others sample one row.
+        out.verified, out.verified_logprobs = verify_step(
+            logits, batch, sample_reqs, lambda rows, requests: self._sample(rows, requests, out))
         return out
 
     def _inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Request], list[tuple[Request, int]]]:
@@ -185,10 +210,14 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         scored_reqs: list[tuple[Request, int]] = []
         qsl = inputs.query_start_loc
-        for request, n, req_tables in zip(batch.requests, batch.num_new, batch.block_tables):
+        spec = batch.spec_token_ids or [()] * len(batch.requests)
+        for request, n, req_tables, drafts in zip(batch.requests, batch.num_new, batch.block_tables, spec):
             start = request.num_computed_tokens
             end = start + n
             inputs.ids.extend(request.token_ids[start:end])
+            if drafts:  # the anchor (the last token) is in the line above; the drafts follow it
+                inputs.ids.extend(drafts)
+                inputs.row_wise.append(len(inputs.seq_lens))
             inputs.positions.extend(range(start, end))
             qsl.append(qsl[-1] + n)
             inputs.seq_lens.append(end)
@@ -196,8 +225,9 @@ class ModelRunner:
                 # Flat cache slot of each new position (the scheduler allocated its block).
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 tables.append(table)
-            if end == request.num_tokens:  # the last known token is computed: sample the next
-                inputs.sample_rows.append(qsl[-1] - 1)
+            if end == request.num_tokens + len(drafts):  # the last known token is computed: sample the next
+                # (speculation: every draft's row and the anchor's verify/sample too)
+                inputs.sample_rows.extend(range(qsl[-1] - 1 - len(drafts), qsl[-1]))
                 sample_reqs.append(request)
             # Prompt logprobs: the logits at position p score prompt token p + 1.
             last_scored = min(end, len(request.prompt_token_ids) - 1)
@@ -221,9 +251,13 @@ class ModelRunner:
             kv_groups.append(KVGroup(slot_mapping=torch.tensor(slots, device=device),
                                      block_tables=torch.tensor(padded, device=device)))
         ctx = AttentionContext(query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                               kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group)
-        hidden = self.model(torch.tensor(inputs.ids, device=device), torch.tensor(inputs.positions, device=device),
-                            ctx)
+                               kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group,
+                               row_wise=inputs.row_wise)
+        ids, positions = torch.tensor(inputs.ids, device=device), torch.tensor(inputs.positions, device=device)
+        if self.aux_layers:  # a proposer reads these streams (rank 0 only; no collective involved)
+            hidden, self.last_aux = self.model(ids, positions, ctx, aux_layers=self.aux_layers)
+        else:
+            hidden = self.model(ids, positions, ctx)
         par = self.model.parallel
         # Pipeline parallel: the last stage computes the logits and its first TP rank sends
         # them to rank 0 (the first stage's), which samples; other ranks compute nothing more.

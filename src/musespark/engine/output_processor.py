@@ -12,6 +12,9 @@ Invariants:
 * A parent is here from `add_request` until all its sequences finished (or it is
   aborted); its sequences' finish reasons are final once set.
 * A stop string beats a token stop found in the same step (the text is cut at it).
+* A step may bring several ids (speculative decoding): they go through the detokenizer
+  one at a time, and the ids (and logprobs) after the one that completed a stop string
+  are dropped, exactly as if they had arrived one per step.
 * An output parser (`musespark.parsers`, one per sequence, made by the request's factory)
   sees exactly the delta text the client would, so its deltas aggregate to the final
   message; it is fed O(new text) per step and flushed when the sequence finishes.
@@ -163,16 +166,24 @@ class OutputProcessor:
     def _advance(self, seq: _Sequence, out: EngineCoreOutput, stopped: list[tuple[str, str]]
                  ) -> tuple[str, list[int], list | None]:
         """Take one sequence's new tokens; return (delta text, delta ids, delta logprobs)."""
-        new_ids = out.new_token_ids
+        new_ids, new_lps = out.new_token_ids, out.new_logprobs or ()
+        text = ""
+        if seq.detok is not None:
+            if len(new_ids) == 1:
+                text = seq.detok.add_tokens(new_ids)
+            else:  # speculative decoding: one at a time; ids after a stop string are dropped
+                for j, t in enumerate(new_ids):
+                    text += seq.detok.add_tokens([t])
+                    if seq.detok.finished:
+                        new_ids, new_lps = new_ids[:j + 1], new_lps[:j + 1]
+                        break
         seq.token_ids.extend(new_ids)
         new_entries = None
         if seq.logprobs is not None:
-            new_entries = [self._logprob_entry(t, lp) for t, lp in zip(new_ids, out.new_logprobs or ())]
+            new_entries = [self._logprob_entry(t, lp) for t, lp in zip(new_ids, new_lps)]
             seq.logprobs.extend(new_entries)
-            seq.cumulative_logprob += sum(lp[0] for lp in out.new_logprobs or ())
-        text = ""
+            seq.cumulative_logprob += sum(lp[0] for lp in new_lps)
         if seq.detok is not None:
-            text = seq.detok.add_tokens(new_ids)
             if seq.detok.finished:  # a stop string: it wins over a token stop in the same step
                 seq.finish_reason, seq.stop_reason = "stop", seq.detok.stop_reason
                 if out.finish_reason is None:

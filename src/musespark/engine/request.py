@@ -4,7 +4,8 @@ Invariants: `token_ids == prompt_token_ids + output_token_ids`, and
 `0 <= num_computed_tokens <= len(token_ids)`. A step computes the next n tokens of the
 request; when that reaches `len(token_ids)`, the step samples one new token. A request
 holds ids and counters only: text, stop strings and logprobs belong to the output
-processor, blocks to the KV cache manager.
+processor, blocks to the KV cache manager. Drafts (`spec_token_ids`) are never part of
+`token_ids`: a verified draft is appended like any sampled token.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     grammar: Any = None  # structured.GrammarState when params.structured_outputs is set
     cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only within one salt
+    # Speculative decoding: drafts proposed for the next step (after the last token, which
+    # is the anchor); consumed by the next schedule(), cleared on preemption.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] draft distribution, None: one-hot drafts
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,6 +9,14 @@ runs out, the newest running request is preempted by recompute: its blocks are f
 it goes back to the front of the waiting queue with `num_computed_tokens = 0`; its tokens
 so far are kept, so nothing is lost or duplicated.
 
+Speculative decoding: a running request in decode that holds drafts asks for 1 + k
+tokens (its anchor, the last token, plus the drafts), fewer drafts if the budget is short;
+the step's drafts are in `ScheduledBatch.spec_token_ids`. `update` appends the verified
+tokens one by one (stop tokens and length limits cut the run as if generated one at a
+time) and sets `num_computed_tokens` back over the rejected drafts, so KV written for them
+is overwritten later and never lies in a block registered in the prefix cache (only
+blocks below `num_computed_tokens` are).
+
 Invariants: `running` is in arrival order and holds at most `max_num_seqs` requests; every
 running request holds blocks for its computed tokens, a waiting one holds none; a finished
 or aborted request is in neither queue and holds no blocks.
@@ -17,8 +25,9 @@ or aborted request is in neither queue and holds no blocks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import CacheConfig, SchedulerConfig
 from .block_manager import KVCacheManager
@@ -37,6 +46,8 @@ class ScheduledBatch:
     num_new: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     block_tables: list[list[list[int]]] = field(default_factory=list)
+    spec_token_ids: list[list[int]] = field(default_factory=list)  # per request: drafts computed this step
+    spec_probs: list[Any] = field(default_factory=list)  # per request: their draft probs [k, V] or None
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -101,7 +112,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = min(request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -115,6 +126,11 @@ class Scheduler:
             else:
                 batch.requests.append(request)
                 batch.num_new.append(n)
+                # Drafts that fit in this step (all of them unless the budget ran short).
+                k = max(0, request.num_computed_tokens + n - request.num_tokens)
+                batch.spec_token_ids.append(request.spec_token_ids[:k])
+                batch.spec_probs.append(None if request.spec_probs is None or not k else request.spec_probs[:k])
+                request.spec_token_ids, request.spec_probs = [], None
                 budget -= n
                 i += 1
                 continue
@@ -144,28 +160,38 @@ class Scheduler:
             self.running.append(request)
             batch.requests.append(request)
             batch.num_new.append(n)
+            batch.spec_token_ids.append([])
+            batch.spec_probs.append(None)
             budget -= n
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request.request_id)
         request.num_computed_tokens = 0
+        request.spec_token_ids, request.spec_probs = [], None
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         batch.preempted.append(request)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int],
+               verified: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Advance counters after the model ran; append sampled tokens; return the
         requests that finished this step (their blocks are already freed).
 
         `sampled` maps request id -> new token, for requests whose step reached the end
-        of their known tokens.
+        of their known tokens; `verified` maps a request that had drafts this step to its
+        accepted drafts followed by one more token.
         """
         finished: list[Request] = []
-        for request, n in zip(batch.requests, batch.num_new):
+        for i, (request, n) in enumerate(zip(batch.requests, batch.num_new)):
             if request.is_finished:  # aborted meanwhile
+                continue
+            drafts = batch.spec_token_ids[i] if batch.spec_token_ids else ()
+            if drafts:
+                if self._update_verified(request, n, len(drafts), verified[request.request_id]):
+                    finished.append(request)
                 continue
             request.num_computed_tokens += n
             self.kv_cache_manager.cache_full_blocks(request.request_id, request.token_ids,
@@ -179,6 +205,20 @@ class Scheduler:
         for request in finished:
             self._remove(request)
         return finished
+
+    def _update_verified(self, request: Request, n: int, num_drafts: int, tokens: list[int]) -> bool:
+        """Roll back the rejected drafts, append `tokens` until a stop; True if it finished."""
+        request.num_computed_tokens += n - (num_drafts - (len(tokens) - 1))
+        done = False
+        for token in tokens:
+            request.append_token(token)
+            if request.check_token_stop(self.config.max_model_len):
+                done = True
+                break  # what follows a stop is discarded, as if never generated
+        # Every position below this holds the KV of an accepted token.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        self.kv_cache_manager.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
+        return done
 
     def finish_request(self, request: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """Finish a request for a reason found outside the scheduler (a stop string)."""

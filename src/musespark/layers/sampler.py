@@ -284,6 +284,30 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     return (probs / q).argmax(dim=-1)
 
 
+def adjusted_logits(logits: torch.Tensor, batch: SamplingBatch, min_tokens_mask: torch.Tensor | None = None,
+                    logit_adjust: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw fp32 logits, logits after the adjustments and penalties) [B, V]; a greedy row's
+    token is the argmax of the second (`sample` and speculative verification share this)."""
+    raw = logits.float()
+    x = raw.clone() if logit_adjust is None else raw + logit_adjust
+    if min_tokens_mask is not None:
+        x = x.masked_fill(min_tokens_mask, float("-inf"))
+    if batch.need_penalties:  # -inf stays -inf: a banned token is never revived
+        x = apply_penalties(x, batch)
+    return raw, x
+
+
+def sampling_probs(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a sampled row draws from: softmax of the adjusted logits x [B, V]
+    after temperature, top-k, top-p and min-p. Greedy rows' entries are meaningless."""
+    x = x / batch.temperature[:, None]
+    if batch.need_top_k or batch.need_top_p:
+        x = apply_top_k_top_p(x, batch)
+    if batch.need_min_p:
+        x = apply_min_p(x, batch)
+    return x.softmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
@@ -298,22 +322,11 @@ def sample(
     B, V = logits.shape
     if B != batch.batch_size:
         raise ValueError(f"logits have {B} rows but the batch has {batch.batch_size}")
-    raw = logits.float()
-
-    x = raw.clone() if logit_adjust is None else raw + logit_adjust
-    if min_tokens_mask is not None:
-        x = x.masked_fill(min_tokens_mask, float("-inf"))
-    if batch.need_penalties:  # -inf stays -inf: a banned token is never revived
-        x = apply_penalties(x, batch)
+    raw, x = adjusted_logits(logits, batch, min_tokens_mask, logit_adjust)
 
     token_ids = x.argmax(dim=-1)  # [B]; final for greedy rows
     if not batch.all_greedy:
-        x = x / batch.temperature[:, None]
-        if batch.need_top_k or batch.need_top_p:
-            x = apply_top_k_top_p(x, batch)
-        if batch.need_min_p:
-            x = apply_min_p(x, batch)
-        probs = x.softmax(dim=-1)  # [B, V]
+        probs = sampling_probs(x, batch)  # [B, V]
         if batch.any_greedy:  # draw only for sampled rows; greedy rows spend no randomness
             rows = batch.sampled_rows
             idx = torch.tensor(rows, device=logits.device)

@@ -194,21 +194,36 @@ class MuseSparkForCausalLM(nn.Module):
                 attn = module.self_attn
                 attn.inv_freq = inv_frequencies(attn.rope_theta, attn.head_dim).to(self.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states y [T, H] in the model dtype."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [T] -> final hidden states y [T, H] in the model dtype.
+
+        With `aux_layers` (ascending decoder layer indices; speculative drafters read them):
+        (y, aux) where aux [T, len(aux_layers) * H] fp32 holds the stream after each of
+        those layers (the tensor entering the next one), in that order."""
         dtype, backend, par = self.dtype, self._active_backend(), self.parallel
+        if aux_layers and par.pp_size > 1:
+            raise ValueError("aux_layers is not supported with pipeline parallelism")
         if par.is_first_stage:
             s = backend.embed(self, input_ids)  # fp32 stream
         else:
             s = par.recv_prev((input_ids.shape[0], self.config.hidden_size), input_ids.device)
         rope: Rope = {}
         start, end = self.layer_range
+        aux: list[torch.Tensor] = []
         for i in range(start, end):
             s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
+            if i in aux_layers:
+                aux.append(s.to(torch.float32, copy=True))  # a copy: later layers may update s in place
         if not par.is_last_stage:
             par.send_next(s)
             return s  # not final: only the last stage normalizes and computes logits
-        return backend.final_norm(self, s, dtype)
+        y = backend.final_norm(self, s, dtype)
+        if aux_layers:
+            if len(aux) != len(aux_layers) or list(aux_layers) != sorted(set(aux_layers)):
+                raise ValueError(f"aux_layers {aux_layers} must be ascending, distinct layer indices in [0, {end})")
+            return y, torch.cat(aux, dim=-1)
+        return y
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """y [N, H] -> soft-capped logits [N, V] in fp32: T * tanh(y W^T * m / T)."""

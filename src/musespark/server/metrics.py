@@ -3,7 +3,10 @@
 Counters and histograms are updated by the engine thread as outputs appear; gauges and the
 engine's own cumulative counters (prefix cache, preemptions) are read from the immutable
 `EngineStats` snapshot the engine thread publishes after every step (the `stats` callable),
-so a scrape never touches the engine itself.
+so a scrape never touches the engine itself. With speculative decoding on, the
+`vllm:spec_decode_*` counters (drafts, draft tokens, accepted tokens, accepted tokens per
+draft position) come from the same snapshot; mean acceptance length =
+1 + accepted_tokens / drafts, as vLLM's dashboards compute it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ class _SnapshotCollector(Collector):
                       s.prefix_hits)
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                       s.num_preemptions)
+        if s.num_speculative_tokens:  # speculative decoding is on: vLLM's spec_decode series
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          s.spec_num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for pos in range(s.num_speculative_tokens):
+                n = s.spec_accepted_per_pos[pos] if pos < len(s.spec_accepted_per_pos) else 0
+                per_pos.add_metric([self._m.model_name, str(pos)], n)
+            yield per_pos
 
 
 class ServerMetrics:

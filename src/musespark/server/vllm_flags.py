@@ -319,10 +319,10 @@ _TABLE = """
 --moe-backend                                         value    ignored: GPU-only setting (this engine runs on CPU)
 --linear-backend                                      value    ignored: GPU-only setting (this engine runs on CPU)
 --sparse-indexer-topk-backend                         value    ignored: GPU-only setting (this engine runs on CPU)
---speculative-config,-sc                              value    ignored: speculative decoding is not implemented yet (issue 16)
---spec-method                                         value    ignored: speculative decoding is not implemented yet (issue 16)
---spec-model                                          value    ignored: speculative decoding is not implemented yet (issue 16)
---spec-tokens                                         value    ignored: speculative decoding is not implemented yet (issue 16)
+--speculative-config,-sc                              value    ours
+--spec-method                                         value    ignored: an older vLLM spelling; pass --speculative-config JSON (speculation stays off)
+--spec-model                                          value    ignored: an older vLLM spelling; pass --speculative-config JSON (speculation stays off)
+--spec-tokens                                         value    ignored: an older vLLM spelling; pass --speculative-config JSON (speculation stays off)
 --watermark-config                                    value    ignored: frontend option not implemented
 --diffusion-config,-dc                                value    ignored: frontend option not implemented
 --kv-transfer-config                                  value    ignored: disaggregated serving / KV transfer is not implemented

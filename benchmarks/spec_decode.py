@@ -1,0 +1,132 @@
+"""Speculative decoding (ngram): decode tokens/s at batch 1, with and without.
+
+    python benchmarks/spec_decode.py [--repeats 9] [--max-tokens 256] [--speculative-config JSON]
+
+Two workloads with the bundled model, each run without speculation and with ngram
+(default {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+"prompt_lookup_max": 4}), alternately, `--repeats` times, in one process:
+
+* quote: a Python source file (the first ~900 tokens of the stdlib's bisect.py), then the
+  file's first lines again, as when a model is asked to reproduce or edit a given file.
+  The bundled model is tiny: it does not copy the file faithfully; its greedy continuation
+  falls into repeating itself, which prompt lookup drafts as well. The acceptance reported
+  is what that run got.
+* novel: a prompt of seeded random token ids (nothing in it to copy), sampled (temperature
+  1.0, seed 0): greedy, the tiny model soon repeats itself whatever the prompt, which is
+  something to copy again; sampled text rarely recurs, so drafts are few and mostly
+  rejected, and the ratio shows what speculation costs when it does not pay. The runs
+  then differ token for token (same distribution, other random draws); `same_tokens` is
+  reported for the greedy cases only.
+* novel_greedy: the same prompt, greedy, for the record: the tiny model's greedy text soon
+  repeats itself, so ngram pays there too.
+
+Decode tokens/s = (output tokens - 1) / (time from the first output token to the last),
+from `LLM.generate_stream`; the figure is the median over the repeats, and the ratio is
+ngram / off (`speedup`; `speedup_cpu_time` is the same ratio by the process's CPU time,
+steadier when other work shares the machine). Both runs must produce the same tokens (greedy speculation is lossless); the
+JSON says so per case. Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def quote_prompt(tokenizer, max_file_tokens: int = 900) -> dict:
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "bisect.py").read_text()
+    text = tokenizer.decode(tokenizer.encode(source)[:max_file_tokens])
+    head = "\n".join(text.split("\n")[:6])
+    return {"prompt_token_ids": tokenizer.encode(text + "\n\n\n" + head + "\n")}
+
+
+def novel_prompt(vocab_size: int, length: int = 64, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    return {"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(length)]}
+
+
+def decode_run(llm, prompt: dict, params) -> tuple[float, float, list[int]]:
+    """(decode tokens/s by wall clock, by this process's CPU time, output ids) of one
+    streamed request (the CPU-time figure is steadier on a shared machine)."""
+    first = last = None
+    ids: list[int] = []
+    for out in llm.generate_stream(prompt, params):
+        now = (time.perf_counter(), time.process_time())
+        if first is None:
+            first = now
+        last = now
+        ids = out.outputs[0].token_ids
+    wall, cpu = last[0] - first[0], last[1] - first[1]
+    n = len(ids) - 1
+    return n / wall if wall > 0 else float("nan"), n / cpu if cpu > 0 else float("nan"), list(ids)
+
+
+def acceptance(llm, before) -> dict:
+    s = llm.engine.get_stats()
+    drafts = s.spec_num_drafts - before.spec_num_drafts
+    draft_tokens = s.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = s.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
+    p.add_argument("--backend", default="auto")
+    args = p.parse_args()
+    import torch
+
+    from musespark import LLM, SamplingParams
+    from musespark.bench.common import print_json
+
+    torch.manual_seed(0)
+    common = dict(max_model_len=2048, enable_prefix_caching=False, backend=args.backend)
+    off = LLM(**common)
+    spec = LLM(speculative_config=args.speculative_config, **common)
+    tok = off.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
+    novel = novel_prompt(off.engine.config.vocab_size)
+    workloads = {"quote": (quote_prompt(tok), greedy), "novel": (novel, sampled), "novel_greedy": (novel, greedy)}
+    result: dict = {"benchmark": "spec_decode", "backend": type(off.engine.model.backend).__name__,
+                    "speculative_config": spec.engine.engine_config.speculative.to_dict(), "batch_size": 1,
+                    "max_tokens": args.max_tokens, "repeats": args.repeats}
+    for name, (prompt, params) in workloads.items():
+        for llm in (off, spec):  # warm-up
+            decode_run(llm, prompt, params)
+        before = spec.engine.get_stats()
+        rates: dict[str, list[float]] = {"off": [], "ngram": [], "off_cpu": [], "ngram_cpu": []}
+        same = True
+        for _ in range(args.repeats):
+            r_off, c_off, ids_off = decode_run(off, prompt, params)
+            r_spec, c_spec, ids_spec = decode_run(spec, prompt, params)
+            rates["off"].append(r_off)
+            rates["ngram"].append(r_spec)
+            rates["off_cpu"].append(c_off)
+            rates["ngram_cpu"].append(c_spec)
+            same &= ids_off == ids_spec
+        a, b = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+        ca, cb = statistics.median(rates["off_cpu"]), statistics.median(rates["ngram_cpu"])
+        result[name] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "off_decode_tok_s": round(a, 1),
+                        "ngram_decode_tok_s": round(b, 1), "speedup": round(b / a, 3),
+                        "speedup_cpu_time": round(cb / ca, 3),
+                        "temperature": params.temperature, "same_tokens": same if params.greedy else None,
+                        **acceptance(spec, before), "text_head": tok.decode(ids_off[:24])}
+        print(f"{name}: off {a:.1f} tok/s, ngram {b:.1f} tok/s, x{b / a:.2f}, "
+              f"(CPU time x{cb / ca:.2f}), mean acceptance length {result[name]['mean_acceptance_length']}")
+    print_json(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The DSpark proposer (DSPARK.md §5): keeps each request's draft context K/V and drafts a
+block per step from the target's aux stream.
+
+Per request and step: (1) forget context positions >= `context_start` (rejected drafts,
+preemption), write the K/V of the new aux rows at [context_start, context_start + n); (2) if
+drafts are wanted, run the block [anchor, mask, ...] at P0 = number of context positions
+= len(token_ids) - 1 (the anchor's own position) and take N drafts from the Markov stage; a
+request whose context is still behind its last token (mid-prefill) gets no drafts. Context rows of all requests go through `fc` in one matmul, and each draft layer
+projects them in the same matmul as the blocks' rows (their K/V are stored before that layer's
+attention reads the cache); the block pass is batched over requests.
+Positions a request was never given rows for (context_start beyond what the proposer holds, e.g.
+a prefix-cache hit of the target) are masked out of the draft's attention: worse drafts, never
+wrong ones. A request needs `drop` when it finishes or is preempted.
+
+`compute_confidence`: also compute the confidence head's rho per draft (kept in
+`last_confidence`; the Proposal has no field for it, and only adaptive verification uses it).
+
+`draft_sample_method`: "greedy" (default; Proposal.probs None) or "probabilistic": draft k is
+sampled from softmax(l'_k / temperature) with a generator seeded by (seed, request, position),
+and Proposal.probs holds those distributions scattered to the target vocabulary (zero off the
+draft vocabulary), which is the q the rejection sampler needs. (ProposalRequest carries no
+sampling parameters, so temperature and seed are the proposer's, not the request's.)
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Literal
+
+import torch
+
+from ...model.dspark import DraftCache, DSparkDraft, cached_attend
+from ...model.dspark_loader import load_draft
+from .proposer import Proposal, ProposalRequest, Proposer
+
+
+class DSparkProposer(Proposer):
+    def __init__(self, draft: DSparkDraft, target: torch.nn.Module, num_speculative_tokens: int,
+                 draft_sample_method: Literal["greedy", "probabilistic"] = "greedy",
+                 temperature: float = 1.0, seed: int = 0, compute_confidence: bool = False) -> None:
+        cfg, tcfg = draft.config, target.config
+        if cfg.target_hidden_size != tcfg.hidden_size or cfg.hidden_size != tcfg.hidden_size:
+            raise ValueError(f"draft hidden sizes (target_hidden_size {cfg.target_hidden_size}, hidden_size "
+                             f"{cfg.hidden_size}) must equal the target's hidden_size {tcfg.hidden_size}")
+        if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
+            raise ValueError(f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
+                             f"{tcfg.num_hidden_layers} layers")
+        if cfg.vocab_size < tcfg.vocab_size:
+            raise ValueError(f"draft vocab_size {cfg.vocab_size} must cover the target vocabulary {tcfg.vocab_size}")
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got {draft_sample_method!r}")
+        self.draft, self.target = draft, target
+        self.num_speculative_tokens = num_speculative_tokens
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.method, self.temperature, self.seed = draft_sample_method, temperature, seed
+        self.compute_confidence = compute_confidence
+        self.aux_layers = tuple(cfg.target_layer_ids)
+        self.target_vocab = tcfg.vocab_size
+        self._caches: dict[str, DraftCache] = {}
+        self.last_confidence: dict[str, list[float]] = {}  # per request, with compute_confidence and the head
+
+    @classmethod
+    def load(cls, path: str, target: torch.nn.Module, num_speculative_tokens: int,
+             **options: object) -> "DSparkProposer":
+        """Load the draft at `path` in the target's dtype, on its device."""
+        draft = load_draft(path, target.config.num_hidden_layers, target.dtype, target.device)
+        return cls(draft, target, num_speculative_tokens, **options)  # type: ignore[arg-type]
+
+    def drop(self, request_id: str) -> None:
+        self._caches.pop(request_id, None)
+        self.last_confidence.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        draft, device = self.draft, self.draft.fc.weight.device
+        caches = [self._caches.setdefault(r.request_id, DraftCache.empty(draft, device=device)) for r in requests]
+        # (1) context rows of all requests: one fc + hidden_norm; their K/V are computed in the
+        # block pass's own projections (or alone when nobody wants drafts)
+        given = [(r, cache) for r, cache in zip(requests, caches) if r.hidden is not None and r.hidden.shape[0]]
+        for r, cache in zip(requests, caches):
+            cache.prepare(r.context_start, 0 if r.hidden is None else r.hidden.shape[0])
+        context = None
+        if given:
+            c = draft.context_features(torch.cat([r.hidden for r, _ in given]).to(device))
+            pos = torch.cat([torch.arange(r.context_start, r.context_start + r.hidden.shape[0]) for r, _ in given])
+
+            def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+                offset = 0
+                for r, cache in given:
+                    n = r.hidden.shape[0]
+                    cache.put(layer, r.context_start, k[offset:offset + n], v[offset:offset + n])
+                    offset += n
+            context = (c, pos.to(device), store)
+        # (2) block pass for the requests that want drafts and whose context reaches their last
+        # token (the anchor); a context still behind it (a prefill chunk) drafts nothing
+        for r, cache in zip(requests, caches):
+            if r.num_tokens > 0 and cache.length >= len(r.token_ids):
+                raise ValueError(f"request {r.request_id}: context covers {cache.length} positions but only "
+                                 f"{len(r.token_ids)} tokens exist (no anchor)")
+        want = [i for i, r in enumerate(requests) if r.num_tokens > 0 and caches[i].length == len(r.token_ids) - 1]
+        out = [Proposal([]) for _ in requests]
+        if not want:
+            if context is not None:
+                for layer, (k, v) in enumerate(draft.context_kv_of(context[0], context[1])):
+                    context[2](layer, k, v)
+            return out
+        N = self.num_speculative_tokens
+        nq = N if draft.config.sample_from_anchor else N + 1
+        anchors, starts = [], []
+        for i in want:
+            p0 = caches[i].length
+            anchors.append(int(requests[i].token_ids[p0]))
+            starts.append(p0)
+        anchor_t = torch.tensor(anchors, device=device)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(nq, device=device)  # [B, nq]
+        tokens = torch.full_like(positions, draft.config.mask_token_id)
+        tokens[:, 0] = anchor_t
+        embed = self.target.embed_tokens.weight
+        attend = cached_attend(draft, [caches[i] for i in want], positions)
+        y = draft.block_hidden(tokens, positions, embed, attend, context)
+        y = y[:, nq - N:]  # row k predicts position P0 + k + 1
+        sample = None if self.method == "greedy" else self._sampler([requests[i] for i in want], starts)
+        drafts, logits, conf = draft.choose(y, anchor_t, sample, self.compute_confidence)
+        for j, i in enumerate(want):
+            k = min(requests[i].num_tokens, N)
+            probs = None
+            if self.method == "probabilistic":
+                probs = torch.zeros(k, self.target_vocab, device=device)
+                ids = torch.arange(draft.d2t.shape[0], device=device) + draft.d2t
+                probs[:, ids] = torch.softmax(logits[j, :k] / self.temperature, -1)
+            out[i] = Proposal(drafts[j, :k].tolist(), probs)
+            if conf is not None:
+                self.last_confidence[requests[i].request_id] = conf[j, :k].tolist()
+        return out
+
+    def _sampler(self, requests: list[ProposalRequest], starts: list[int]):
+        """sample(l' [B, V_d], k) -> draft ids [B]: one seeded generator per (request, position)."""
+        def sample(logits: torch.Tensor, k: int) -> torch.Tensor:
+            probs = torch.softmax(logits / self.temperature, -1)
+            picks = []
+            for b, r in enumerate(requests):
+                key = zlib.crc32(f"{self.seed}:{r.request_id}:{starts[b] + k + 1}".encode())
+                gen = torch.Generator(device=probs.device).manual_seed(key)
+                picks.append(torch.multinomial(probs[b], 1, generator=gen))
+            return torch.cat(picks)
+        return sample
