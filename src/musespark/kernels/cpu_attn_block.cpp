@@ -44,12 +44,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
                   "attn_in: cos/sin must be contiguous float32 [T, head_dim]");
   }
   const float e = static_cast<float>(eps);
-  std::vector<float> h = pre_norm(s.data_ptr<float>(), T, H, gain.data_ptr<float>(), e, bf16);
+  const float* h = pre_norm(s.data_ptr<float>(), T, H, gain.data_ptr<float>(), e, bf16);
   // One row of `proj` is [q | k | v | g].
   const int64_t W = (2 * nH + 2 * nKV) * D, ok = nH * D, ov = ok + nKV * D, og = ov + nKV * D;
-  std::vector<float> proj(T * W);
-  run_jobs({wq.job(h.data(), T, proj.data(), W, bf16), wk.job(h.data(), T, proj.data() + ok, W, bf16),
-            wv.job(h.data(), T, proj.data() + ov, W, bf16), wg.job(h.data(), T, proj.data() + og, W, bf16)});
+  float* proj = scratch(kProj, T * W);
+  run_jobs({wq.job(h, T, proj, W, bf16), wk.job(h, T, proj + ok, W, bf16), wv.job(h, T, proj + ov, W, bf16),
+            wg.job(h, T, proj + og, W, bf16)});
   auto opts = s.options().dtype(bf16 ? at::kBFloat16 : at::kFloat);
   Tensor q = at::empty({T, nH, D}, opts), k = at::empty({T, nKV, D}, opts), v = at::empty({T, nKV, D}, opts),
          g = at::empty({T, nH, D}, opts);
@@ -60,7 +60,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
   auto fill = [&](auto* qp, auto* kp, auto* vp, auto* gp) {
     using Out = std::remove_pointer_t<decltype(qp)>;
     for_rows(T, 3 * D, [&](int64_t t, float* tmp) {
-      float* row = proj.data() + t * W;
+      float* row = proj + t * W;
       round_all(row, W, bf16);  // the projections' outputs are in the model's dtype
       float *r = tmp, *scratch = tmp + D, *norm = tmp + 2 * D;
       auto head = [&](const float* x, float scale, Out* out) {
@@ -98,18 +98,18 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
   check_shape(wo, H, nH * D, "attn_out: o_proj");
   check_residual(s, alpha, beta);
   const float e = static_cast<float>(eps);
-  std::vector<float> x(T * nH * D), a(T * H);
+  float *x = scratch(kAct, T * nH * D), *a = scratch(kOut, T * H);
   auto gate = [&](const auto* op, const auto* gp) {
     for_rows(T, D, [&](int64_t t, float* tmp) {
       for (int64_t i = 0; i < nH; ++i) {
         const int64_t base = (t * nH + i) * D;
-        rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x.data() + base, !bf16);
+        rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x + base, !bf16);
         for (int64_t j = 0; j < D; ++j) tmp[j] = static_cast<float>(gp[base + j]);
         for (int64_t j = 0; j < D; j += 8) {  // D % 8 == 0; sigmoid with the fused blocks' exp
-          float* xj = x.data() + base + j;
+          float* xj = x + base + j;
           _mm256_storeu_ps(xj, _mm256_mul_ps(_mm256_loadu_ps(xj), musespark_simd::sigmoid8(_mm256_loadu_ps(tmp + j))));
         }
-        round_all(x.data() + base, D, bf16);
+        round_all(x + base, D, bf16);
       }
     });
   };
@@ -117,9 +117,9 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
     gate(o.data_ptr<at::BFloat16>(), g.data_ptr<at::BFloat16>());
   else
     gate(o.data_ptr<float>(), g.data_ptr<float>());
-  run_jobs({wo.job(x.data(), T, a.data(), H, bf16)});
-  round_all(a.data(), T * H, bf16);
-  return residual(s, a.data(), nullptr, static_cast<float>(post_eps), alpha, beta, bf16);
+  run_jobs({wo.job(x, T, a, H, bf16)});
+  round_all(a, T * H, bf16);
+  return residual(s, a, nullptr, static_cast<float>(post_eps), alpha, beta, bf16);
 }
 
 }  // namespace

@@ -136,12 +136,26 @@ void for_rows(int64_t T, int64_t scratch, const F& f) {
   });
 }
 
-// h[t] = bf16(rms(s[t]) * gain) (fp32 models: unrounded), kept as floats for the products.
-inline std::vector<float> pre_norm(const float* s, int64_t T, int64_t H, const float* gain, float eps, bool bf16) {
-  std::vector<float> h(T * H);
+// The fused blocks' intermediate arrays, one slot each, reused across calls by the calling
+// thread (an op never calls another): a prefill's arrays are tens of MiB, and fresh ones
+// would be faulted in and zeroed on every call. Contents are whatever the last call left:
+// every user writes what it reads. The buffers keep their largest size.
+enum Slot { kNormed, kProj, kGateUp, kAct, kOut, kPooled, kExpertIn, kExpertOut, kLogits, kMixed, kSlots };
+
+inline float* scratch(Slot slot, int64_t n) {
+  static thread_local std::vector<float> buffers[kSlots];
+  std::vector<float>& b = buffers[slot];
+  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
+  return b.data();
+}
+
+// h[t] = bf16(rms(s[t]) * gain) (fp32 models: unrounded), kept as floats for the products:
+// [T, H] in scratch slot kNormed.
+inline float* pre_norm(const float* s, int64_t T, int64_t H, const float* gain, float eps, bool bf16) {
+  float* h = scratch(kNormed, T * H);
   for_rows(T, H, [&](int64_t t, float* tmp) {
-    rms_row(s + t * H, H, gain, eps, false, 1.f, tmp, h.data() + t * H, !bf16);
-    round_all(h.data() + t * H, H, bf16);
+    rms_row(s + t * H, H, gain, eps, false, 1.f, tmp, h + t * H, !bf16);
+    round_all(h + t * H, H, bf16);
   });
   return h;
 }

@@ -46,15 +46,14 @@ Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::Tensor
   check_shape(w_down, H, I, "ffn_dense: down_proj");
   TORCH_CHECK(I % 8 == 0, "ffn_dense: intermediate size must be a multiple of 8");
   check_residual(s, alpha, beta);
-  std::vector<float> f =
-      pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps), bf16);
-  std::vector<float> gu(T * 2 * I), act(T * I), b(T * H);
-  run_jobs({w_gate.job(f.data(), T, gu.data(), 2 * I, bf16), w_up.job(f.data(), T, gu.data() + I, 2 * I, bf16)});
-  round_all(gu.data(), T * 2 * I, bf16);
-  swiglu(gu.data(), T, I, act.data(), bf16);
-  run_jobs({w_down.job(act.data(), T, b.data(), H, bf16)});
-  round_all(b.data(), T * H, bf16);
-  return residual(s, b.data(), post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta, bf16);
+  const float* f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps), bf16);
+  float *gu = scratch(kGateUp, T * 2 * I), *act = scratch(kAct, T * I), *b = scratch(kOut, T * H);
+  run_jobs({w_gate.job(f, T, gu, 2 * I, bf16), w_up.job(f, T, gu + I, 2 * I, bf16)});
+  round_all(gu, T * 2 * I, bf16);
+  swiglu(gu, T, I, act, bf16);
+  run_jobs({w_down.job(act, T, b, H, bf16)});
+  round_all(b, T * H, bf16);
+  return residual(s, b, post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta, bf16);
 }
 
 // Router for one token: scores = sigmoid(logits * multiplier); the top_k experts by
@@ -118,19 +117,19 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
   check_vector(post_gain, H, "ffn_moe: post_gain");
   check_residual(s, alpha, beta);
   const float e = static_cast<float>(eps), pe = static_cast<float>(post_eps);
-  std::vector<float> f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), e, bf16);
+  const float* f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), e, bf16);
 
   // Router logits and the pooler in one region.
-  std::vector<float> logits(T * E), u(T * Hm);
-  run_jobs({musespark_gemv::job(f.data(), T, H, router, logits.data(), E, bf16), w_pre.job(f.data(), T, u.data(), Hm, bf16)});
+  float *logits = scratch(kLogits, T * E), *u = scratch(kPooled, T * Hm);
+  run_jobs({musespark_gemv::job(f, T, H, router, logits, E, bf16), w_pre.job(f, T, u, Hm, bf16)});
   const int64_t A = T * top_k;  // assignments, (t, j) order, j in increasing expert id
   std::vector<int64_t> ids(A);
   std::vector<float> weights(A);
   const float* in_gain = expert_in_gain.data_ptr<float>();
   for_rows(T, E + Hm, [&](int64_t t, float* tmp) {
-    route_row(logits.data() + t * E, bias.data_ptr<float>(), E, top_k, static_cast<float>(output_multiplier),
+    route_row(logits + t * E, bias.data_ptr<float>(), E, top_k, static_cast<float>(output_multiplier),
               static_cast<float>(routed_scaling), tmp, ids.data() + t * top_k, weights.data() + t * top_k);
-    float* ur = u.data() + t * Hm;
+    float* ur = u + t * Hm;
     round_all(ur, Hm, bf16);
     rms_row(ur, Hm, in_gain, e, false, 1.f, tmp + E, ur, !bf16);
     round_all(ur, Hm, bf16);
@@ -144,31 +143,32 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t a = 0; a < A; ++a) order[fill[ids[a]]++] = a;
   }
-  std::vector<float> xs(A * Hm), gu(A * 2 * I), act(A * I), ys(A * Hm);
-  for (int64_t r = 0; r < A; ++r) std::copy_n(u.data() + (order[r] / top_k) * Hm, Hm, xs.data() + r * Hm);
+  float *xs = scratch(kExpertIn, A * Hm), *gu = scratch(kGateUp, A * 2 * I), *act = scratch(kAct, A * I),
+        *ys = scratch(kExpertOut, A * Hm);
+  for (int64_t r = 0; r < A; ++r) std::copy_n(u + (order[r] / top_k) * Hm, Hm, xs + r * Hm);
   std::vector<Job> up_jobs, down_jobs;
   for (int64_t x = 0; x < E; ++x) {
     const int64_t r0 = start[x], n = start[x + 1] - r0;
     if (n == 0) continue;
-    up_jobs.push_back(gate_up.job(xs.data() + r0 * Hm, n, gu.data() + r0 * 2 * I, 2 * I, bf16, x));
-    down_jobs.push_back(down.job(act.data() + r0 * I, n, ys.data() + r0 * Hm, Hm, bf16, x));
+    up_jobs.push_back(gate_up.job(xs + r0 * Hm, n, gu + r0 * 2 * I, 2 * I, bf16, x));
+    down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x));
   }
   run_jobs(up_jobs);
-  round_all(gu.data(), A * 2 * I, bf16);
-  swiglu(gu.data(), A, I, act.data(), bf16);
+  round_all(gu, A * 2 * I, bf16);
+  swiglu(gu, A, I, act, bf16);
   run_jobs(down_jobs);
-  round_all(ys.data(), A * Hm, bf16);
+  round_all(ys, A * Hm, bf16);
   std::vector<int64_t> row_of(A);  // assignment -> its row in ys
   for (int64_t r = 0; r < A; ++r) row_of[order[r]] = r;
 
   // Per-expert post-norm, weight, ordered sum; then the unpooler.
-  std::vector<float> m(T * Hm), b(T * H);
+  float *m = scratch(kMixed, T * Hm), *b = scratch(kOut, T * H);
   const float* out_gain = expert_out_gain.data_ptr<float>();
   for_rows(T, 2 * Hm, [&](int64_t t, float* tmp) {
-    float* mr = m.data() + t * Hm;
+    float* mr = m + t * Hm;
     for (int64_t j = 0; j < top_k; ++j) {
       const int64_t a = t * top_k + j;
-      rms_row(ys.data() + row_of[a] * Hm, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm, !bf16);
+      rms_row(ys + row_of[a] * Hm, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm, !bf16);
       for (int64_t i = 0; i < Hm; ++i) {
         const float z = tmp[Hm + i] * weights[a];
         mr[i] = j == 0 ? z : mr[i] + z;
@@ -176,9 +176,9 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     }
     round_all(mr, Hm, bf16);
   });
-  run_jobs({w_post.job(m.data(), T, b.data(), H, bf16)});
-  round_all(b.data(), T * H, bf16);
-  return residual(s, b.data(), post_gain.data_ptr<float>(), pe, alpha, beta, bf16);
+  run_jobs({w_post.job(m, T, b, H, bf16)});
+  round_all(b, T * H, bf16);
+  return residual(s, b, post_gain.data_ptr<float>(), pe, alpha, beta, bf16);
 }
 
 }  // namespace
