@@ -1,8 +1,8 @@
-"""Speculative decoding (ngram): decode tokens/s at batch 1, with and without.
+"""Speculative decoding (ngram or dspark): decode tokens/s at batch 1, with and without.
 
     python benchmarks/spec_decode.py [--repeats 9] [--max-tokens 256] [--speculative-config JSON]
 
-Two workloads with the bundled model, each run without speculation and with ngram
+Four workloads with the bundled model, each run without speculation and with ngram
 (default {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 "prompt_lookup_max": 4}), alternately, `--repeats` times, in one process:
 
@@ -11,6 +11,8 @@ Two workloads with the bundled model, each run without speculation and with ngra
   The bundled model is tiny: it does not copy the file faithfully; its greedy continuation
   falls into repeating itself, which prompt lookup drafts as well. The acceptance reported
   is what that run got.
+* code: the first 64 tokens of six stdlib modules, each continued greedily for 128 tokens
+  (one after the other; the rate is over all of them): the DSpark target workload.
 * novel: a prompt of seeded random token ids (nothing in it to copy), sampled (temperature
   1.0, seed 0): greedy, the tiny model soon repeats itself whatever the prompt, which is
   something to copy again; sampled text rarely recurs, so drafts are few and mostly
@@ -47,14 +49,31 @@ def quote_prompt(tokenizer, max_file_tokens: int = 900) -> dict:
     return {"prompt_token_ids": tokenizer.encode(text + "\n\n\n" + head + "\n")}
 
 
+CODE_FILES = ("heapq.py", "textwrap.py", "fnmatch.py", "shlex.py", "colorsys.py", "calendar.py")
+
+
+def code_prompts(tokenizer, length: int = 64) -> list[dict]:
+    """The first `length` tokens of a few stdlib modules (code to continue, as in the DSpark
+    draft's training data: the held-out prompts there are other files)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [{"prompt_token_ids": tokenizer.encode((stdlib / f).read_text())[:length]} for f in CODE_FILES]
+
+
 def novel_prompt(vocab_size: int, length: int = 64, seed: int = 0) -> dict:
     rng = random.Random(seed)
     return {"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(length)]}
 
 
-def decode_run(llm, prompt: dict, params) -> tuple[float, float, list[int]]:
+def decode_run(llm, prompt: dict | list[dict], params) -> tuple[float, float, list[int]]:
     """(decode tokens/s by wall clock, by this process's CPU time, output ids) of one
-    streamed request (the CPU-time figure is steadier on a shared machine)."""
+    streamed request (the CPU-time figure is steadier on a shared machine); for a list of
+    prompts, one after the other, the rates over all of them and every output id."""
+    if isinstance(prompt, list):
+        runs = [decode_run(llm, p, params) for p in prompt]
+        n = [len(ids) - 1 for _, _, ids in runs]
+        wall = sum(k / r for k, (r, _, _) in zip(n, runs))
+        cpu = sum(k / c for k, (_, c, _) in zip(n, runs))
+        return sum(n) / wall, sum(n) / cpu, [t for _, _, ids in runs for t in ids]
     first = last = None
     ids: list[int] = []
     for out in llm.generate_stream(prompt, params):
@@ -95,10 +114,13 @@ def main() -> None:
     off = LLM(**common)
     spec = LLM(speculative_config=args.speculative_config, **common)
     tok = off.get_tokenizer()
+    method = spec.engine.engine_config.speculative.method
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
+    code_params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     novel = novel_prompt(off.engine.config.vocab_size)
-    workloads = {"quote": (quote_prompt(tok), greedy), "novel": (novel, sampled), "novel_greedy": (novel, greedy)}
+    workloads = {"quote": (quote_prompt(tok), greedy), "code": (code_prompts(tok), code_params),
+                 "novel": (novel, sampled), "novel_greedy": (novel, greedy)}
     result: dict = {"benchmark": "spec_decode", "backend": type(off.engine.model.backend).__name__,
                     "speculative_config": spec.engine.engine_config.speculative.to_dict(), "batch_size": 1,
                     "max_tokens": args.max_tokens, "repeats": args.repeats}
@@ -118,12 +140,13 @@ def main() -> None:
             same &= ids_off == ids_spec
         a, b = statistics.median(rates["off"]), statistics.median(rates["ngram"])
         ca, cb = statistics.median(rates["off_cpu"]), statistics.median(rates["ngram_cpu"])
-        result[name] = {"prompt_tokens": len(prompt["prompt_token_ids"]), "off_decode_tok_s": round(a, 1),
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in (prompt if isinstance(prompt, list) else [prompt]))
+        result[name] = {"prompt_tokens": prompt_tokens, "off_decode_tok_s": round(a, 1),
                         "ngram_decode_tok_s": round(b, 1), "speedup": round(b / a, 3),
                         "speedup_cpu_time": round(cb / ca, 3),
                         "temperature": params.temperature, "same_tokens": same if params.greedy else None,
                         **acceptance(spec, before), "text_head": tok.decode(ids_off[:24])}
-        print(f"{name}: off {a:.1f} tok/s, ngram {b:.1f} tok/s, x{b / a:.2f}, "
+        print(f"{name}: off {a:.1f} tok/s, {method} {b:.1f} tok/s, x{b / a:.2f}, "
               f"(CPU time x{cb / ca:.2f}), mean acceptance length {result[name]['mean_acceptance_length']}")
     print_json(result)
 

@@ -465,6 +465,43 @@ def test_stops_inside_accepted_runs(soft):
     spec_llm.engine.core.scheduler.kv_cache_manager.check_invariants()
 
 
+class WrongProposer(OracleProposer):
+    """Drafts a token that is never the greedy one (every draft rejected)."""
+
+    def propose(self, requests):
+        from musespark.engine.spec_decode.proposer import Proposal
+
+        out = []
+        for r in requests:
+            n = len(r.token_ids)
+            right = self.sequence[n:n + r.num_tokens]
+            out.append(Proposal([(t + 1) % self.vocab_size for t in right]))
+        return out
+
+
+def test_speculation_backs_off_where_drafts_are_rejected():
+    """A request whose drafts are all rejected drafts only every BACKOFF_PROBE-th step after
+    its acceptance rate falls below BACKOFF_RATE (so it decodes at about the plain speed);
+    one whose drafts are accepted drafts every step. Outputs are the same either way."""
+    from musespark.engine.spec_decode import speculator as spec_module
+
+    text = "the quick brown fox. the quick brown fox. the quick"
+    base_llm = LLM(enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompt_ids = base_llm.get_tokenizer().encode(text)
+    full = base_llm.generate({"prompt_token_ids": prompt_ids}, params)[0].outputs[0]
+    for proposer, accepted in ((WrongProposer, False), (OracleProposer, True)):
+        llm = LLM(enable_prefix_caching=False, speculative_config=NGRAM)
+        llm.engine.core.speculator.proposer = proposer(prompt_ids + full.token_ids, llm.engine.config.vocab_size)
+        got = llm.generate({"prompt_token_ids": prompt_ids}, params)[0].outputs[0]
+        assert got.token_ids == full.token_ids
+        drafts = llm.engine.get_stats().spec_num_drafts
+        if accepted:
+            assert drafts >= 64 // (NGRAM["num_speculative_tokens"] + 1) - 1
+        else:  # a few steps to fall below the threshold, then one probe in BACKOFF_PROBE steps
+            assert drafts <= 5 + 64 // spec_module.BACKOFF_PROBE, drafts
+
+
 def test_rejected_drafts_never_enter_the_prefix_cache():
     """After every step, each registered (prefix-cache) block of a running request lies
     wholly below num_computed_tokens and its hash is that of the request's accepted tokens;
