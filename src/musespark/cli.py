@@ -33,6 +33,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from . import plan_cli
 from .engine.args import EngineArgs
 
 # `generate`'s fallback when the checkpoint's generation_config.json sets no max_new_tokens.
@@ -319,105 +320,6 @@ def _run_bench(args: argparse.Namespace) -> int:
     return {"latency": latency.main, "throughput": throughput.main, "serve": serve.main}[args.bench_mode](args)
 
 
-def _plan_parser(sub: argparse._SubParsersAction) -> None:
-    from .bench.presets import PRESETS
-
-    p = sub.add_parser("plan", help="per-rank weight and KV-cache memory of a TP/EP/PP deployment (no weights read)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, metavar="DIR", help="a checkpoint directory (only its config.json "
-                     "is read; default: the bundled model)")
-    src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a named config (musespark.bench.presets)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
-    p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
-                   help="experts split over the TP ranks (contiguous blocks) instead of along their width")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
-    p.add_argument("--quantization", "-q", default=None, choices=["nvfp4"],
-                   help="nvfp4: routed experts (not those of the first and last layer) as NVFP4")
-    p.add_argument("--dtype", default="auto",
-                   help="unquantized weights' dtype (default: the checkpoint's, else bfloat16)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (= --dtype), a dtype, or fp8")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--device-memory", type=float, default=None, metavar="GB",
-                   help="memory per device in GB (1e9 bytes): how many KV tokens fit beside the weights")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="sliding layers hold min(window, this) tokens; with --device-memory: sequences of this "
-                   "length that fit")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="with --device-memory: reserve this many sequences' sliding-window KV first")
-    p.add_argument("--json", action="store_true", help="also print one JSON object (the last line)")
-
-
-def _plan_rows(plans: list) -> list[tuple[str, object]]:
-    """Consecutive ranks with identical figures, grouped: [(label "0-7", plan), ...]."""
-    def key(r):
-        return (r.pp_rank, r.layers, r.experts[1] - r.experts[0], tuple(r.weights.values()), r.kv_bytes_per_token,
-                r.kv_tokens)
-
-    rows: list[list] = []
-    for r in plans:
-        if rows and key(rows[-1][1]) == key(r):
-            rows[-1][2] = r.rank
-        else:
-            rows.append([r.rank, r, r.rank])
-    return [(str(a) if a == b else f"{a}-{b}", r) for a, r, b in rows]
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    import json
-
-    from .parallel.plan import GB, dtype_bytes, plan_memory
-
-    if args.preset is not None:
-        from .bench.presets import preset_config
-
-        cfg, source = preset_config(args.preset), f"preset {args.preset}"
-    else:
-        from .checkpoint.loader import load_config
-        from .engine.args import default_model_path
-
-        path = args.model if args.model is not None else default_model_path()
-        cfg, source = load_config(path), str(path)
-    tp, pp, ep = args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel
-    dtype, _ = dtype_bytes(args.dtype, cfg)
-    plans = plan_memory(cfg, tp=tp, ep=ep, pp=pp, quantization=args.quantization, dtype=dtype,
-                        block_size=args.block_size, device_memory_gb=args.device_memory,
-                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        kv_cache_dtype=args.kv_cache_dtype)
-    unit, scale = ("GB", GB) if max(r.weight_bytes for r in plans) >= GB else ("MB", 1e6)
-    print(f"{source}: TP{tp}{'+EP' + str(tp) if ep else ''}{f' x PP{pp}' if pp > 1 else ''}, {tp * pp} ranks, "
-          f"weights {dtype}{' + NVFP4 experts' if args.quantization else ''}, in {unit} (1{unit} = {scale:.0e} bytes)")
-    head = ["ranks", "stage", "layers", "experts", "attn", "pool+unpool", "router", "embed/head", "experts",
-            "other", "total", "KV B/tok", "sliding MiB/seq"]
-    if args.device_memory is not None:
-        head += ["KV GB", "KV tokens"] + ([f"seqs@{args.max_model_len}"] if args.max_model_len else [])
-    table = [head]
-    for label, r in _plan_rows(plans):
-        w = r.weights
-        g = lambda *parts: f"{sum(w[x] for x in parts) / scale:.2f}"  # noqa: E731
-        row = [label, str(r.pp_rank), f"{r.layers[0]}-{r.layers[1] - 1}", f"{r.experts[0]}-{r.experts[1] - 1}"
-               + ("" if r.expert_width == cfg.moe_intermediate_size else f" @{r.expert_width}"),
-               g("attention"), g("pooler_unpooler"), g("router", "router_bias"), g("embedding", "lm_head"),
-               g("experts"), g("dense_mlp", "norms_gates"), f"{r.weight_bytes / scale:.2f}", str(r.kv_bytes_per_token),
-               f"{r.kv_bytes_per_seq_sliding / 2**20:.2f}"]
-        if args.device_memory is not None:
-            row += [f"{r.kv_cache_bytes / GB:.2f}", "-" if r.kv_tokens is None else str(r.kv_tokens)]
-            if args.max_model_len:
-                row.append("-" if r.max_seqs_at_max_len is None else str(r.max_seqs_at_max_len))
-        table.append(row)
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for row in table:
-        print("  ".join(c.rjust(wd) if i >= 4 else c.ljust(wd) for i, (c, wd) in enumerate(zip(row, widths))))
-    for r in plans:
-        for note in r.notes:
-            print(f"rank {r.rank}: {note}")
-    if args.json:
-        print(json.dumps({"source": source, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                          "enable_expert_parallel": ep, "quantization": args.quantization, "dtype": dtype,
-                          "world_size": tp * pp, "max_weight_bytes": max(r.weight_bytes for r in plans),
-                          "ranks": [r.as_dict() for r in plans]}))
-    return 0
-
-
 def _quantize_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an NVFP4 (ModelOpt-format) copy of a bf16 checkpoint")
     p.add_argument("--format", required=True, choices=["nvfp4"], help="the quantized format (NVFP4: E2M1 codes, "
@@ -448,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
-    _plan_parser(sub)
+    plan_cli.add_parser(sub)
     _quantize_parser(sub)
     return parser
 
@@ -463,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             return _run_bench(args)
         if args.command == "plan":
-            return _run_plan(args)
+            return plan_cli.run(args)
         if args.command == "quantize":
             return _run_quantize(args)
     except ValueError as exc:
