@@ -33,22 +33,9 @@ inline __m256 hsum8(const __m256 a[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// exp(x) for x <= 0, 8 lanes: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, and the
-// Cephes expf polynomial (relative error about 1e-7); x below -87 is clamped (exp ~ 1e-38,
+// exp(x) for x <= 0, 8 lanes (cpu_simd.h's exp8); x below -87 is clamped (exp ~ 1e-38,
 // nothing next to the softmax's maximum term, which is 1).
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
+inline __m256 exp_nonpositive(__m256 x) { return musespark_simd::exp8(x, -87.f); }
 
 // s[0:L] <- softmax(s), fp32; the normalizer sums in key order.
 inline void softmax(float* s, int64_t L) {

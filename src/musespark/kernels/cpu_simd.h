@@ -20,13 +20,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// exp(x), 8 lanes, for any x: clamped to [-87.3, 88.3] (exp is then ~1e-38 or ~2e38,
-// where every caller's result is already settled), Cody-Waite reduction x = n ln2 + r and
+// exp(x), 8 lanes, for any x: clamped to [lo, 88.3] (lo = -87.3 by default: exp is then
+// ~1e-38 or ~2e38, where every caller's result is already settled), Cody-Waite reduction x = n ln2 + r and
 // the Cephes expf polynomial: relative error about 1e-7 (1-2 ulp from the correctly
 // rounded value). Used where the fused blocks need exp element-wise (silu, sigmoid), so
 // each element's value never depends on how many rows share the loop.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+inline __m256 exp8(__m256 x, float lo = -87.3f) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(88.3f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
