@@ -127,6 +127,41 @@ def test_paged_decode_attention_matches_dense_softmax(dtype, window, heads):
     assert (got.double() - want).abs().max() < 1e-5
 
 
+
+@needs_ops
+@pytest.mark.parametrize("D", [32, 64, 96])
+@pytest.mark.parametrize("heads", [(16, 4), (6, 2), (3, 1), (8, 8), (40, 4)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_bf16_decode_attention_on_every_path(D, heads, window, kernel_path):
+    """A bf16 model's decode rows (bf16 cache, bf16-valued queries): the AVX-512 path
+    (vdpbf16ps scores, 16-lane softmax) and the AVX2 one both match float64, over sequences
+    long and short enough to hit every key-group, prefetch and softmax tail; each row alone
+    gives the bits it gives in the batch."""
+    nH, nKV = heads
+    bs, B = 16, 5
+    g = torch.Generator().manual_seed(D + nH + window)
+    seq_lens = [1, 15, 17, 130, 300]
+    per = [(n + bs - 1) // bs for n in seq_lens]
+    nblocks = sum(per) + 3
+    k_cache = torch.randn(nblocks, bs, nKV, D, generator=g).bfloat16()
+    v_cache = torch.randn(nblocks, bs, nKV, D, generator=g).bfloat16()
+    order = torch.randperm(nblocks, generator=g).tolist()
+    tables = torch.zeros(B, max(per), dtype=torch.long)
+    for b, n in enumerate(per):
+        tables[b, :n] = torch.tensor(order[:n])
+        order = order[n:]
+    q = (torch.randn(B, nH, D, generator=g) * 2).bfloat16().float()
+    scale = D ** -0.5
+    lens = torch.tensor(seq_lens)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, window, scale)
+    want = _attention_reference(q, k_cache, v_cache, tables, seq_lens, window, scale)
+    assert (got.double() - want).abs().max() < 2e-5, kernel_path
+    for b in (0, 3):
+        alone = ops.paged_decode_attention(q[b:b + 1].contiguous(), k_cache, v_cache, tables[b:b + 1].contiguous(),
+                                           lens[b:b + 1].contiguous(), window, scale)
+        assert torch.equal(alone[0], got[b])
+
+
 def _chunk_attention_reference(q, k, v, q0, k0, window, scale, dtype=torch.float64):
     n, m = q.shape[0], k.shape[0]
     qp, kp = torch.arange(q0, q0 + n), torch.arange(k0, k0 + m)

@@ -7,11 +7,18 @@
 // (window 0: all). Head h reads KV head h / (nH / nKV). Scores and the softmax are fp32:
 // softmax(scale * q.k) @ v, exp by a polynomial good to ~1e-7 relative; the result is
 // fp32 [B, nH, D]. D % 8 == 0.
+//
+// ISA dispatch (cpu_isa.h): on AVX-512-BF16 CPUs a bf16 cache whose queries hold bf16 values
+// (a bf16 model's) takes musespark_avx512::decode_attention (D % 32 == 0): Q K^T by
+// vdpbf16ps (each product exact, fp32 sums in another fixed order), a 16-lane softmax, and
+// P V by fp32 FMAs in key order, normalized at the end. Each row's result still depends on
+// nothing else in the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "cpu_isa.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -65,9 +72,25 @@ void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_c
   const int64_t L = last - first + 1;
   std::vector<float> scores(static_cast<size_t>(G * L));
   std::vector<int64_t> slots(static_cast<size_t>(L));
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t p = first + i;
-    slots[i] = table[p / block_size] * block_size + p % block_size;
+  for (int64_t p = first, i = 0; p <= last;) {  // block by block: one division per block
+    const int64_t base = table[p / block_size] * block_size - p / block_size * block_size;
+    const int64_t end = std::min(last + 1, (p / block_size + 1) * block_size);
+    for (; p < end; ++p, ++i) slots[i] = base + p;
+  }
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    std::vector<uint16_t> qb(static_cast<size_t>(G * D));
+    bool exact = musespark_isa::avx512_bf16() && musespark_avx512::decode_attention_fits(D, G);
+    for (int64_t i = 0; exact && i < G * D; ++i) {
+      qb[i] = at::BFloat16(q[i]).x;
+      exact = static_cast<float>(at::BFloat16(q[i])) == q[i];
+    }
+    if (exact) {
+      const auto* kb = reinterpret_cast<const uint16_t*>(k_cache);
+      const auto* vb = reinterpret_cast<const uint16_t*>(v_cache);
+      musespark_avx512::decode_attention(qb.data(), G, D, kb, vb, slot_stride, slots.data(), L, scale, scores.data(),
+                                         out);
+      return;
+    }
   }
   // Cache rows are scattered (one per slot, nKV * D apart): prefetch keys a few rows ahead,
   // and each value row while its key is used, for the second pass.

@@ -22,6 +22,7 @@ constexpr int kMR = 6;
 // of the thread's slice passes over them; the weights are re-read once per chunk.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int64_t kRowAhead = 4096;  // bytes prefetched ahead in a one-row-of-x product
+constexpr int64_t kPrefetchMaxRows = 64;  // products of up to this many rows prefetch the next tile
 
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_bh(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
@@ -67,19 +68,28 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, float* y, int6
     for (int m = 0; m < MR; ++m) y[m * ldy + n] = sum16(acc[n][m]);
 }
 
-// NR weight rows against x rows [0, M) (M <= chunk): MR-row tiles, then the remainder.
+// NR weight rows against x rows [0, M) (M <= chunk): ceil(M / kMR) tiles of near-equal
+// height (32 rows: 6 6 5 5 5 5, not 6 x 5 + 2, whose 2-row tile reloads the weights for few
+// products). Each element's sum is the same in a tile of any height.
 template <int NR>
 inline void rows_of_tile(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy,
                          int64_t prefetch) {
+  const int64_t tiles = (M + kMR - 1) / kMR;
+  const int64_t base = tiles ? M / tiles : 0, taller = tiles ? M % tiles : 0;
   int64_t m = 0;
-  for (; m + kMR <= M; m += kMR) tile<NR, kMR>(x + m * K, K, w, y + m * ldy, ldy, prefetch);
-  switch (M - m) {
-    case 5: tile<NR, 5>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
-    case 4: tile<NR, 4>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
-    case 3: tile<NR, 3>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
-    case 2: tile<NR, 2>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
-    case 1: tile<NR, 1>(x + m * K, K, w, y + m * ldy, ldy, prefetch); break;
-    default: break;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t h = base + (t < taller ? 1 : 0);
+    const uint16_t* xt = x + m * K;
+    float* yt = y + m * ldy;
+    switch (h) {
+      case 6: tile<NR, 6>(xt, K, w, yt, ldy, prefetch); break;
+      case 5: tile<NR, 5>(xt, K, w, yt, ldy, prefetch); break;
+      case 4: tile<NR, 4>(xt, K, w, yt, ldy, prefetch); break;
+      case 3: tile<NR, 3>(xt, K, w, yt, ldy, prefetch); break;
+      case 2: tile<NR, 2>(xt, K, w, yt, ldy, prefetch); break;
+      default: tile<NR, 1>(xt, K, w, yt, ldy, prefetch); break;
+    }
+    m += h;
   }
 }
 
@@ -91,13 +101,13 @@ void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
   chunk = chunk < kMR ? kMR : chunk - chunk % kMR;
   // Decode-sized M streams the weights and prefetches ahead of each row's reads: one row of
   // x goes row by row through the weight, 4 KiB ahead (measured best here: 44-50 GB/s from
-  // DRAM on 2 threads against 37-47 for 4-row tiles); 2-16 rows of x use 4-row tiles and fetch
+  // DRAM on 2 threads against 37-47 for 4-row tiles); 2-64 rows of x use 4-row tiles and fetch
   // the next tile. (Each element's sum is the same whichever: batch invariant.)
   if (M == 1) {
     for (int64_t n = n0; n < n1; ++n) tile<1, 1>(x, K, w + n * K, y + n, ldy, kRowAhead);
     return;
   }
-  const int64_t ahead = M <= 16 ? kNR * K * 2 : 0;
+  const int64_t ahead = M <= kPrefetchMaxRows ? kNR * K * 2 : 0;
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
     const int64_t mc = M - c0 < chunk ? M - c0 : chunk;
     const uint16_t* xc = x + c0 * K;
@@ -356,6 +366,150 @@ void prefill_attention_rows(const uint16_t* q, int64_t nH, int64_t D, int64_t he
     case 112: return attend_all<2, 7>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
     case 128: return attend_all<2, 8>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
     default: return attend_all<1, 16>(q, nH, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);  // 256
+  }
+}
+
+}  // namespace musespark_avx512
+
+// ---- decode attention (one query per sequence, bf16 paged cache) --------------------------
+
+namespace musespark_avx512 {
+namespace {
+
+// Sums of 16 lanes: c[0:8] = a[lo] + a[hi] halves' pairs chosen by `lo` (indices into a|b),
+// the matching `lo + step` lanes added.
+inline __m512 fold(__m512 a, __m512 b, __m512i lo, int step) {
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, lo, b),
+                       _mm512_permutex2var_ps(a, _mm512_add_epi32(lo, _mm512_set1_epi32(step)), b));
+}
+
+// Lane i of the result = the sum of v[i]'s 16 lanes, by a fixed tree of halvings (8, 4, 2,
+// 1 lanes); v[0..15] is clobbered.
+inline __m512 lane_sums(__m512* v) {
+  const __m512i h8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i h4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i h2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i h1 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  for (int i = 0; i < 8; ++i) v[i] = fold(v[2 * i], v[2 * i + 1], h8, 8);  // v[i]: sums of 2i | 2i+1
+  for (int i = 0; i < 4; ++i) v[i] = fold(v[2 * i], v[2 * i + 1], h4, 4);
+  for (int i = 0; i < 2; ++i) v[i] = fold(v[2 * i], v[2 * i + 1], h2, 2);
+  return fold(v[0], v[1], h1, 1);
+}
+
+constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kMaxHeads = 64;  // query heads per KV head
+alignas(64) const uint16_t kZeroRow[kMaxHeadDim] = {};  // the key past the last (scores unused)
+
+// Cache rows are scattered (one per slot): keys are prefetched this many ahead (a DRAM
+// latency's worth of the loop), each value row while its key is read, for the P V pass.
+constexpr int64_t kKeysAhead = 32;
+
+inline void prefetch_row(const uint16_t* p, int64_t bytes, int hint) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, static_cast<_mm_hint>(hint));
+}
+
+// GH query heads against 16 / GH keys per step: 16 accumulators (one per head and key),
+// each a vdpbf16ps dot product over D, reduced together by lane_sums.
+template <int GH>
+void scores_group(const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v, int64_t stride,
+                  const int64_t* slots, int64_t L, float scale, float* scores, int64_t lds) {
+  constexpr int KJ = 16 / GH;
+  const int64_t row_bytes = 2 * D;
+  for (int64_t i0 = 0; i0 < L; i0 += KJ) {
+    const uint16_t* row[KJ];
+    for (int j = 0; j < KJ; ++j) {
+      const int64_t i = i0 + j;
+      row[j] = i < L ? k + slots[i] * stride : kZeroRow;
+      if (i + kKeysAhead < L) prefetch_row(k + slots[i + kKeysAhead] * stride, row_bytes, _MM_HINT_T0);
+      if (i < L) prefetch_row(v + slots[i] * stride, row_bytes, _MM_HINT_T1);  // for the P V pass
+    }
+    __m512 acc[16];
+    for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 32)
+      for (int j = 0; j < KJ; ++j) {
+        const __m512bh kv = load_bh(row[j] + c);
+        for (int g = 0; g < GH; ++g) acc[g * KJ + j] = _mm512_dpbf16_ps(acc[g * KJ + j], load_bh(q + g * D + c), kv);
+      }
+    alignas(64) float got[16];
+    _mm512_store_ps(got, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
+    const int64_t n = L - i0 < KJ ? L - i0 : KJ;
+    for (int g = 0; g < GH; ++g)
+      for (int64_t j = 0; j < n; ++j) scores[g * lds + i0 + j] = got[g * KJ + j];
+  }
+}
+
+// GH heads x DV vectors of 16 output dimensions: out += p[g, i] * v_i over the keys in order.
+template <int GH, int DV>
+void values_group(const float* p, int64_t ldp, const float* inv, int64_t L, const uint16_t* v, int64_t stride,
+                  const int64_t* slots, float* out, int64_t ldo) {
+  __m512 acc[GH][DV];
+  for (int g = 0; g < GH; ++g)
+    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < L; ++i) {
+    if (i + 8 < L) prefetch_row(v + slots[i + 8] * stride, 32 * DV, _MM_HINT_T0);
+    const uint16_t* row = v + slots[i] * stride;
+    __m512 vf[DV];
+    for (int c = 0; c < DV; ++c)
+      vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
+    for (int g = 0; g < GH; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * ldp + i]);
+      for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GH; ++g)
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + g * ldo + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
+// s[0:L] <- exp(s - max s) (16 lanes, exp16); returns 1 / their sum (16 lane sums over the
+// keys in order, then a fixed tree).
+inline float softmax_unnormalized(float* s, int64_t L) {
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  __m512 mv = neg_inf;
+  for (int64_t i = 0; i < L; i += 16) {
+    const __mmask16 m = L - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - i)) - 1u);
+    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(neg_inf, m, s + i));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < L; i += 16) {
+    const __mmask16 m = L - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (L - i)) - 1u);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), mx)));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(total);
+}
+
+}  // namespace
+
+bool decode_attention_fits(int64_t D, int64_t G) { return D % 32 == 0 && D <= kMaxHeadDim && G <= kMaxHeads; }
+
+void decode_attention(const uint16_t* q, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v, int64_t stride,
+                      const int64_t* slots, int64_t L, float scale, float* scores, float* out) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) scores_group<4>(q + g * D, D, k, v, stride, slots, L, scale, scores + g * L, L);
+  for (; g + 2 <= G; g += 2) scores_group<2>(q + g * D, D, k, v, stride, slots, L, scale, scores + g * L, L);
+  for (; g < G; ++g) scores_group<1>(q + g * D, D, k, v, stride, slots, L, scale, scores + g * L, L);
+  float inv[kMaxHeads];
+  for (g = 0; g < G; ++g) inv[g] = softmax_unnormalized(scores + g * L, L);
+  for (g = 0; g < G; g += 4) {
+    const int64_t gh = G - g < 4 ? G - g : 4;
+    for (int64_t d = 0; d < D; d += 64) {
+      const float* pg = scores + g * L;
+      float* og = out + g * D + d;
+      const bool wide = d + 64 <= D;  // else D % 64 == 32: two vectors
+      if (gh == 4) {
+        if (wide) values_group<4, 4>(pg, L, inv + g, L, v + d, stride, slots, og, D);
+        else values_group<4, 2>(pg, L, inv + g, L, v + d, stride, slots, og, D);
+        continue;
+      }
+      for (int64_t h = 0; h < gh; ++h) {
+        if (wide) values_group<1, 4>(pg + h * L, L, inv + g + h, L, v + d, stride, slots, og + h * D, D);
+        else values_group<1, 2>(pg + h * L, L, inv + g + h, L, v + d, stride, slots, og + h * D, D);
+      }
+    }
   }
 }
 
