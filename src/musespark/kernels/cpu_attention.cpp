@@ -63,35 +63,13 @@ inline void softmax(float* s, int64_t L) {
   for (int64_t j = 0; j < L; ++j) s[j] *= inv;
 }
 
-// One sequence, one KV head, its G query heads. Each key row is widened once and dotted
-// with every query head, 8 keys at a time; then each head's output accumulates the value rows in key
-// order with its vectors in registers (value rows are in L1/L2 by then).
+// One KV head, its G query heads, over the keys at `slots` (L of them). Each key row is
+// widened once and dotted with every query head, 8 keys at a time; then each head's output
+// accumulates the value rows in key order with its vectors in registers (value rows are in
+// L1/L2 by then). scores: [G, L] scratch.
 template <typename T>
-void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, int64_t slot_stride,
-            const int64_t* table, int64_t block_size, int64_t first, int64_t last, float scale, float* out) {
-  const int64_t L = last - first + 1;
-  std::vector<float> scores(static_cast<size_t>(G * L));
-  std::vector<int64_t> slots(static_cast<size_t>(L));
-  for (int64_t p = first, i = 0; p <= last;) {  // block by block: one division per block
-    const int64_t base = table[p / block_size] * block_size - p / block_size * block_size;
-    const int64_t end = std::min(last + 1, (p / block_size + 1) * block_size);
-    for (; p < end; ++p, ++i) slots[i] = base + p;
-  }
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    std::vector<uint16_t> qb(static_cast<size_t>(G * D));
-    bool exact = musespark_isa::avx512_bf16() && musespark_avx512::decode_attention_fits(D, G);
-    for (int64_t i = 0; exact && i < G * D; ++i) {
-      qb[i] = at::BFloat16(q[i]).x;
-      exact = static_cast<float>(at::BFloat16(q[i])) == q[i];
-    }
-    if (exact) {
-      const auto* kb = reinterpret_cast<const uint16_t*>(k_cache);
-      const auto* vb = reinterpret_cast<const uint16_t*>(v_cache);
-      musespark_avx512::decode_attention(qb.data(), G, D, kb, vb, slot_stride, slots.data(), L, scale, scores.data(),
-                                         out);
-      return;
-    }
-  }
+void attend_head(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, int64_t slot_stride,
+                 const int64_t* slots, int64_t L, float scale, float* scores, float* out) {
   // Cache rows are scattered (one per slot, nKV * D apart): prefetch keys a few rows ahead,
   // and each value row while its key is used, for the second pass.
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
@@ -120,16 +98,16 @@ void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_c
       }
       float got[8];
       _mm256_storeu_ps(got, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
-      std::copy_n(got, n, scores.data() + g * L + i0);
+      std::copy_n(got, n, scores + g * L + i0);
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax(scores.data() + g * L, L);
+  for (int64_t g = 0; g < G; ++g) softmax(scores + g * L, L);
   // out[g] = sum_i p[g, i] * v_i, keys in order, NV vectors of one head's output in registers.
   auto values = [&](auto nv, int64_t g, int64_t d0) {
     constexpr int NV = decltype(nv)::value;
     __m256 acc[NV];
     for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-    const float* p = scores.data() + g * L;
+    const float* p = scores + g * L;
     for (int64_t i = 0; i < L; ++i) {
       const T* value = v_cache + slots[i] * slot_stride + d0;
       const __m256 w = _mm256_set1_ps(p[i]);
@@ -142,6 +120,40 @@ void attend(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_c
     for (; d0 + 64 <= D; d0 += 64) values(std::integral_constant<int, 8>{}, g, d0);
     for (; d0 < D; d0 += 8) values(std::integral_constant<int, 1>{}, g, d0);
   }
+}
+
+// One sequence's nh adjacent KV heads (their G query heads each) over its keys at
+// positions [first, last]: the AVX-512 kernel for a bf16 cache and bf16-valued queries,
+// else attend_head per head. Each head's result is the same whatever nh.
+template <typename T>
+void attend(const float* q, int64_t nh, int64_t G, int64_t D, const T* k_cache, const T* v_cache,
+            int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t last, float scale,
+            float* out) {
+  const int64_t L = last - first + 1;
+  std::vector<float> scores(static_cast<size_t>(nh * G * L));
+  std::vector<int64_t> slots(static_cast<size_t>(L));
+  for (int64_t p = first, i = 0; p <= last;) {  // block by block: one division per block
+    const int64_t base = table[p / block_size] * block_size - p / block_size * block_size;
+    const int64_t end = std::min(last + 1, (p / block_size + 1) * block_size);
+    for (; p < end; ++p, ++i) slots[i] = base + p;
+  }
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    std::vector<uint16_t> qb(static_cast<size_t>(nh * G * D));
+    bool exact = musespark_isa::avx512_bf16() && musespark_avx512::decode_attention_fits(D, G);
+    for (int64_t i = 0; exact && i < nh * G * D; ++i) {
+      qb[i] = at::BFloat16(q[i]).x;
+      exact = static_cast<float>(at::BFloat16(q[i])) == q[i];
+    }
+    if (exact) {
+      musespark_avx512::decode_attention(qb.data(), nh, G, D, reinterpret_cast<const uint16_t*>(k_cache),
+                                         reinterpret_cast<const uint16_t*>(v_cache), slot_stride, slots.data(), L,
+                                         scale, scores.data(), out);
+      return;
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h)
+    attend_head(q + h * G * D, G, D, k_cache + h * D, v_cache + h * D, slot_stride, slots.data(), L, scale,
+                scores.data(), out + h * G * D);
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -172,12 +184,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t slot_stride = nKV * D;
   const float s = static_cast<float>(scale);
   auto run = [&](auto* kc, auto* vc) {
-    at::parallel_for(0, B * nKV, 1, [&](int64_t w0, int64_t w1) {
+    // Work units: whole sequences (their KV heads' rows are adjacent in the cache: one
+    // stream) when there are enough of them for the threads, else (sequence, KV head) pairs.
+    const int64_t nh = B >= 2 * at::get_num_threads() ? nKV : 1, units = nKV / nh;
+    at::parallel_for(0, B * units, 1, [&](int64_t w0, int64_t w1) {
       for (int64_t w = w0; w < w1; ++w) {
-        const int64_t b = w / nKV, h = w % nKV;
+        const int64_t b = w / units, h = (w % units) * nh;
         const int64_t last = lens[b] - 1;
         const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
-        attend(qp + (b * nH + h * G) * D, G, D, kc + h * D, vc + h * D, slot_stride, tables + b * max_blocks,
+        attend(qp + (b * nH + h * G) * D, nh, G, D, kc + h * D, vc + h * D, slot_stride, tables + b * max_blocks,
                block_size, first, last, s, op + (b * nH + h * G) * D);
       }
     });

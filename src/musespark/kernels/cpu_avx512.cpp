@@ -409,33 +409,47 @@ inline void prefetch_row(const uint16_t* p, int64_t bytes, int hint) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, static_cast<_mm_hint>(hint));
 }
 
-// GH query heads against 16 / GH keys per step: 16 accumulators (one per head and key),
-// each a vdpbf16ps dot product over D, reduced together by lane_sums.
+// One step of keys (KJ = 16 / GH rows, n of them real) against GH query heads: 16
+// accumulators (one per head and key), each a vdpbf16ps dot product over D in order, reduced
+// together by lane_sums. Every score is computed the same way whatever GH, KJ or the step.
 template <int GH>
-void scores_group(const uint16_t* q, int64_t D, const uint16_t* k, const uint16_t* v, int64_t stride,
-                  const int64_t* slots, int64_t L, float scale, float* scores, int64_t lds) {
+inline void score_step(const uint16_t* q, int64_t D, const uint16_t* const* row, int64_t n, float scale, float* scores,
+                       int64_t lds) {
   constexpr int KJ = 16 / GH;
-  const int64_t row_bytes = 2 * D;
-  for (int64_t i0 = 0; i0 < L; i0 += KJ) {
-    const uint16_t* row[KJ];
+  __m512 acc[16];
+  for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 32)
     for (int j = 0; j < KJ; ++j) {
-      const int64_t i = i0 + j;
-      row[j] = i < L ? k + slots[i] * stride : kZeroRow;
-      if (i + kKeysAhead < L) prefetch_row(k + slots[i + kKeysAhead] * stride, row_bytes, _MM_HINT_T0);
-      if (i < L) prefetch_row(v + slots[i] * stride, row_bytes, _MM_HINT_T1);  // for the P V pass
+      const __m512bh kv = load_bh(row[j] + c);
+      for (int g = 0; g < GH; ++g) acc[g * KJ + j] = _mm512_dpbf16_ps(acc[g * KJ + j], load_bh(q + g * D + c), kv);
     }
-    __m512 acc[16];
-    for (int a = 0; a < 16; ++a) acc[a] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 32)
-      for (int j = 0; j < KJ; ++j) {
-        const __m512bh kv = load_bh(row[j] + c);
-        for (int g = 0; g < GH; ++g) acc[g * KJ + j] = _mm512_dpbf16_ps(acc[g * KJ + j], load_bh(q + g * D + c), kv);
-      }
-    alignas(64) float got[16];
-    _mm512_store_ps(got, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
+  alignas(64) float got[16];
+  _mm512_store_ps(got, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
+  for (int g = 0; g < GH; ++g)
+    for (int64_t j = 0; j < n; ++j) scores[g * lds + j] = got[g * KJ + j];
+}
+
+// Scores of nh KV heads' G query heads each (GH at a time), the keys in steps of 16 / GH
+// and, within a step, every head: the nh heads' rows of a slot are adjacent, so the keys are
+// read as one stream (and the values prefetched for the P V pass).
+template <int GH>
+void scores_all(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v,
+                int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores) {
+  constexpr int KJ = 16 / GH;
+  const int64_t span = 2 * D * nh;
+  for (int64_t i0 = 0; i0 < L; i0 += KJ) {
     const int64_t n = L - i0 < KJ ? L - i0 : KJ;
-    for (int g = 0; g < GH; ++g)
-      for (int64_t j = 0; j < n; ++j) scores[g * lds + i0 + j] = got[g * KJ + j];
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = i0 + j;
+      if (i + kKeysAhead < L) prefetch_row(k + slots[i + kKeysAhead] * stride, span, _MM_HINT_T0);
+      prefetch_row(v + slots[i] * stride, span, _MM_HINT_T1);
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+      const uint16_t* row[KJ];
+      for (int64_t j = 0; j < KJ; ++j) row[j] = j < n ? k + slots[i0 + j] * stride + h * D : kZeroRow;
+      for (int64_t g = 0; g < G; g += GH)
+        score_step<GH>(q + (h * G + g) * D, D, row, n, scale, scores + (h * G + g) * L + i0, L);
+    }
   }
 }
 
@@ -486,28 +500,35 @@ inline float softmax_unnormalized(float* s, int64_t L) {
 
 bool decode_attention_fits(int64_t D, int64_t G) { return D % 32 == 0 && D <= kMaxHeadDim && G <= kMaxHeads; }
 
-void decode_attention(const uint16_t* q, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v, int64_t stride,
-                      const int64_t* slots, int64_t L, float scale, float* scores, float* out) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) scores_group<4>(q + g * D, D, k, v, stride, slots, L, scale, scores + g * L, L);
-  for (; g + 2 <= G; g += 2) scores_group<2>(q + g * D, D, k, v, stride, slots, L, scale, scores + g * L, L);
-  for (; g < G; ++g) scores_group<1>(q + g * D, D, k, v, stride, slots, L, scale, scores + g * L, L);
-  float inv[kMaxHeads];
-  for (g = 0; g < G; ++g) inv[g] = softmax_unnormalized(scores + g * L, L);
-  for (g = 0; g < G; g += 4) {
-    const int64_t gh = G - g < 4 ? G - g : 4;
-    for (int64_t d = 0; d < D; d += 64) {
-      const float* pg = scores + g * L;
-      float* og = out + g * D + d;
-      const bool wide = d + 64 <= D;  // else D % 64 == 32: two vectors
-      if (gh == 4) {
-        if (wide) values_group<4, 4>(pg, L, inv + g, L, v + d, stride, slots, og, D);
-        else values_group<4, 2>(pg, L, inv + g, L, v + d, stride, slots, og, D);
-        continue;
-      }
-      for (int64_t h = 0; h < gh; ++h) {
-        if (wide) values_group<1, 4>(pg + h * L, L, inv + g + h, L, v + d, stride, slots, og + h * D, D);
-        else values_group<1, 2>(pg + h * L, L, inv + g + h, L, v + d, stride, slots, og + h * D, D);
+void decode_attention(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v,
+                      int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores, float* out) {
+  if (G % 4 == 0)
+    scores_all<4>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
+  else if (G % 2 == 0)
+    scores_all<2>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
+  else
+    scores_all<1>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
+  for (int64_t h = 0; h < nh; ++h) {
+    float inv[kMaxHeads];
+    const float* ph = scores + h * G * L;
+    for (int64_t g = 0; g < G; ++g) inv[g] = softmax_unnormalized(scores + (h * G + g) * L, L);
+    const uint16_t* vh = v + h * D;
+    float* oh = out + h * G * D;
+    for (int64_t g = 0; g < G; g += 4) {
+      const int64_t gh = G - g < 4 ? G - g : 4;
+      for (int64_t d = 0; d < D; d += 64) {
+        const float* pg = ph + g * L;
+        float* og = oh + g * D + d;
+        const bool wide = d + 64 <= D;  // else D % 64 == 32: two vectors
+        if (gh == 4) {
+          if (wide) values_group<4, 4>(pg, L, inv + g, L, vh + d, stride, slots, og, D);
+          else values_group<4, 2>(pg, L, inv + g, L, vh + d, stride, slots, og, D);
+          continue;
+        }
+        for (int64_t e = 0; e < gh; ++e) {
+          if (wide) values_group<1, 4>(pg + e * L, L, inv + g + e, L, vh + d, stride, slots, og + e * D, D);
+          else values_group<1, 2>(pg + e * L, L, inv + g + e, L, vh + d, stride, slots, og + e * D, D);
+        }
       }
     }
   }
