@@ -153,32 +153,41 @@ template <int R>
 inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint8_t* scales, const float* const* tables,
                     int64_t rows_per_global, int64_t n, float* y) {
   const int64_t nb = K / 16, pairs = nb / 2;
-  const uint8_t* c[R];
-  const uint8_t* s[R];
+  // Row r's codes, scale bytes and table; the pointers are few enough to stay in registers
+  // (one table when the R rows share a global scale, as all but boundary rows do).
+  const size_t cs = static_cast<size_t>(K / 2), ss = static_cast<size_t>(nb);
+  const uint8_t* c = codes + n * cs;
+  const uint8_t* s = scales + n * ss;
   const float* table[R];
+  for (int r = 0; r < R; ++r) table[r] = tables[(n + r) / rows_per_global];
   __m512 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) {
-    c[r] = codes + (n + r) * (K / 2);
-    s[r] = scales + (n + r) * nb;
-    table[r] = tables[(n + r) / rows_per_global];
-    acc0[r] = acc1[r] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < pairs; ++p) {
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  auto step = [&](int64_t p) {
     const __m512 xe = _mm512_loadu_ps(xr + p * 32), xo = _mm512_loadu_ps(xr + p * 32 + 16);
     for (int r = 0; r < R; ++r) {
-      if ((p & 3) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(c[r] + p * 16) + 1024, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(s[r] + 2 * p) + 128, _MM_HINT_T0);
-      }
+      const uint8_t* sr = s + r * ss + 2 * p;
       __m512 w0, w1;
-      decode_pair(c[r] + p * 16, table[r] + s[r][2 * p] * 16, table[r] + s[r][2 * p + 1] * 16, w0, w1);
+      decode_pair(c + r * cs + p * 16, table[r] + (static_cast<size_t>(sr[0]) << 4),
+                  table[r] + (static_cast<size_t>(sr[1]) << 4), w0, w1);
       acc0[r] = _mm512_fmadd_ps(w0, xe, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(w1, xo, acc1[r]);
     }
+  };
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {  // 4 pairs (one 64-byte line of codes per row) per prefetch
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(c + r * cs + p * 16) + 1024, _MM_HINT_T0);
+      if ((p & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + r * ss + 2 * p) + 128, _MM_HINT_T0);
+    }
+    step(p);
+    step(p + 1);
+    step(p + 2);
+    step(p + 3);
   }
+  for (; p < pairs; ++p) step(p);
   for (int r = 0; r < R; ++r) {
     if (nb % 2 != 0)
-      acc0[r] = _mm512_fmadd_ps(decode_one(c[r] + pairs * 16, table[r] + s[r][2 * pairs] * 16),
+      acc0[r] = _mm512_fmadd_ps(decode_one(c + r * cs + pairs * 16, table[r] + s[r * ss + 2 * pairs] * 16),
                                 _mm512_loadu_ps(xr + pairs * 32), acc0[r]);
     y[n + r] = sum16(_mm512_add_ps(acc0[r], acc1[r]));
   }
