@@ -414,6 +414,7 @@ alignas(64) const uint16_t kZeroRow[kMaxHeadDim] = {};  // the key past the last
 constexpr int64_t kKeysAhead = 32;
 
 inline void prefetch_row(const uint16_t* p, int64_t bytes, int hint) {
+#pragma GCC unroll 8
   for (int64_t b = 0; b < bytes; b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, static_cast<_mm_hint>(hint));
 }
@@ -432,10 +433,12 @@ inline void score_step(const uint16_t* q, int64_t D, const uint16_t* const* row,
       const __m512bh kv = load_bh(row[j] + c);
       for (int g = 0; g < GH; ++g) acc[g * KJ + j] = _mm512_dpbf16_ps(acc[g * KJ + j], load_bh(q + g * D + c), kv);
     }
-  alignas(64) float got[16];
-  _mm512_store_ps(got, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
+  // Lanes [g KJ, g KJ + n) are head g's scores: one masked store each (the base may point
+  // before the row; masked-off lanes are never accessed).
+  const __m512 got = _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale));
+  const __mmask16 first = static_cast<__mmask16>((1u << n) - 1u);
   for (int g = 0; g < GH; ++g)
-    for (int64_t j = 0; j < n; ++j) scores[g * lds + j] = got[g * KJ + j];
+    _mm512_mask_storeu_ps(scores + g * lds - g * KJ, static_cast<__mmask16>(first << (g * KJ)), got);
 }
 
 // Scores of nh KV heads' G query heads each (GH at a time), the keys in steps of 16 / GH
