@@ -251,6 +251,29 @@ inline void onednn_job(const Job& b, std::vector<uint16_t>& xb) {
   at::from_blob(b.y, {b.M, b.N}, {b.ldy, 1}, at::TensorOptions().dtype(at::kFloat)).copy_(y);
 }
 
+// The tiles [bounds[p], bounds[p + 1]) of each of `parts` contiguous parts, of near-equal
+// cost: a tile of job j costs K (kTileFixedRows + M), its weight reads counted as that many
+// rows of x (jobs of one call differ in M: the experts of a MoE). Where a tile runs never
+// changes what it computes.
+constexpr int64_t kTileFixedRows = 8;
+constexpr int64_t kMinParallelTiles = 16;  // fewer run on the calling thread
+inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std::vector<int64_t>& first, int64_t parts) {
+  double total = 0;
+  for (size_t j = 0; j < jobs.size(); ++j)
+    total += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M);
+  std::vector<int64_t> bounds{0};
+  double done = 0;
+  for (size_t j = 0; j < jobs.size() && static_cast<int64_t>(bounds.size()) < parts; ++j) {
+    const double per = static_cast<double>(jobs[j].K) * (kTileFixedRows + jobs[j].M);
+    for (int64_t t = first[j]; t < first[j + 1] && static_cast<int64_t>(bounds.size()) < parts; ++t) {
+      done += per;
+      if (done >= total * static_cast<double>(bounds.size()) / static_cast<double>(parts)) bounds.push_back(t + 1);
+    }
+  }
+  while (static_cast<int64_t>(bounds.size()) <= parts) bounds.push_back(first.back());
+  return bounds;
+}
+
 inline void run_jobs(const std::vector<Job>& all) {
   std::vector<int> which;
   auto xb = bf16_inputs(all, which);
@@ -266,7 +289,11 @@ inline void run_jobs(const std::vector<Job>& all) {
   std::vector<int64_t> first(jobs.size() + 1, 0);  // first tile of each job
   for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
   const Nvfp4Inputs q = nvfp4_inputs(jobs);
-  at::parallel_for(0, first.back(), 16, [&](int64_t t0, int64_t t1) {
+  const std::vector<int64_t> bounds =
+      split_tiles(jobs, first, first.back() > kMinParallelTiles ? at::get_num_threads() : 1);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t t0 = bounds[p0], t1 = bounds[p1];
+    if (t0 >= t1) return;
     size_t j = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first[j + 1]) ++j;
