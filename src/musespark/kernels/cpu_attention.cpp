@@ -122,13 +122,26 @@ void attend_head(const float* q, int64_t G, int64_t D, const T* k_cache, const T
   }
 }
 
+// Sequence b's query row (nH * D values) as bf16 bits when the AVX-512 kernel takes it:
+// a bf16 cache and every value of the row a bf16 value (a bf16 model's). Decided per
+// sequence, never per work unit, so a row's path does not depend on the batch.
+inline bool bf16_query(const float* q, int64_t n, std::vector<uint16_t>& out) {
+  out.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const at::BFloat16 b(q[i]);
+    if (static_cast<float>(b) != q[i]) return false;
+    out[i] = b.x;
+  }
+  return true;
+}
+
 // One sequence's nh adjacent KV heads (their G query heads each) over its keys at
-// positions [first, last]: the AVX-512 kernel for a bf16 cache and bf16-valued queries,
-// else attend_head per head. Each head's result is the same whatever nh.
+// positions [first, last]: the AVX-512 kernel when `qb` (those heads' queries as bf16 bits)
+// is given, else attend_head per head. Each head's result is the same whatever nh.
 template <typename T>
-void attend(const float* q, int64_t nh, int64_t G, int64_t D, const T* k_cache, const T* v_cache,
-            int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first, int64_t last, float scale,
-            float* out) {
+void attend(const float* q, const uint16_t* qb, int64_t nh, int64_t G, int64_t D, const T* k_cache,
+            const T* v_cache, int64_t slot_stride, const int64_t* table, int64_t block_size, int64_t first,
+            int64_t last, float scale, float* out) {
   const int64_t L = last - first + 1;
   std::vector<float> scores(static_cast<size_t>(nh * G * L));
   std::vector<int64_t> slots(static_cast<size_t>(L));
@@ -137,19 +150,11 @@ void attend(const float* q, int64_t nh, int64_t G, int64_t D, const T* k_cache, 
     const int64_t end = std::min(last + 1, (p / block_size + 1) * block_size);
     for (; p < end; ++p, ++i) slots[i] = base + p;
   }
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    std::vector<uint16_t> qb(static_cast<size_t>(nh * G * D));
-    bool exact = musespark_isa::avx512_bf16() && musespark_avx512::decode_attention_fits(D, G);
-    for (int64_t i = 0; exact && i < nh * G * D; ++i) {
-      qb[i] = at::BFloat16(q[i]).x;
-      exact = static_cast<float>(at::BFloat16(q[i])) == q[i];
-    }
-    if (exact) {
-      musespark_avx512::decode_attention(qb.data(), nh, G, D, reinterpret_cast<const uint16_t*>(k_cache),
-                                         reinterpret_cast<const uint16_t*>(v_cache), slot_stride, slots.data(), L,
-                                         scale, scores.data(), out);
-      return;
-    }
+  if (qb != nullptr) {
+    musespark_avx512::decode_attention(qb, nh, G, D, reinterpret_cast<const uint16_t*>(k_cache),
+                                       reinterpret_cast<const uint16_t*>(v_cache), slot_stride, slots.data(), L,
+                                       scale, scores.data(), out);
+    return;
   }
   for (int64_t h = 0; h < nh; ++h)
     attend_head(q + h * G * D, G, D, k_cache + h * D, v_cache + h * D, slot_stride, slots.data(), L, scale,
@@ -184,6 +189,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t slot_stride = nKV * D;
   const float s = static_cast<float>(scale);
   auto run = [&](auto* kc, auto* vc) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
+    const bool avx512 = std::is_same_v<T, at::BFloat16> && musespark_isa::avx512_bf16() &&
+                        musespark_avx512::decode_attention_fits(D, G);
     // Work units: whole sequences (their KV heads' rows are adjacent in the cache: one
     // stream) when there are enough of them for the threads, else (sequence, KV head) pairs.
     const int64_t nh = B >= 2 * at::get_num_threads() ? nKV : 1, units = nKV / nh;
@@ -192,8 +200,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
         const int64_t b = w / units, h = (w % units) * nh;
         const int64_t last = lens[b] - 1;
         const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
-        attend(qp + (b * nH + h * G) * D, nh, G, D, kc + h * D, vc + h * D, slot_stride, tables + b * max_blocks,
-               block_size, first, last, s, op + (b * nH + h * G) * D);
+        std::vector<uint16_t> qb;
+        const bool fast = avx512 && bf16_query(qp + b * nH * D, nH * D, qb);
+        attend(qp + (b * nH + h * G) * D, fast ? qb.data() + h * G * D : nullptr, nh, G, D, kc + h * D, vc + h * D,
+               slot_stride, tables + b * max_blocks, block_size, first, last, s, op + (b * nH + h * G) * D);
       }
     });
   };
