@@ -1,6 +1,6 @@
 """Batch-1 decode of bf16 vs NVFP4 weight-only on the cpu backend, against the NVFP4 roofline.
 
-    python benchmarks/nvfp4.py                          # bench-small, both scopes, ~2-3 min the first time
+    python benchmarks/nvfp4.py                          # bench-small, both scopes, 3 rounds: ~5 min
     python benchmarks/nvfp4.py --threads 1 --tokens 32
 
 The seeded random `bench-small` checkpoint (bench/presets.py) is written once in bf16, then
@@ -10,7 +10,11 @@ to it). Each model is loaded with backend "cpu" (NVFP4 products: the native kern
 `--tokens` single-token decode steps through a paged KV cache (the engine's decode shape;
 no sampling, scheduler or HTTP).
 
-Reported per model: decode tokens/s (median step), resident weight bytes (every parameter
+The models are loaded together and timed in rounds (bf16, linear, experts; --repeats rounds),
+so each ratio to bf16 is taken within a round, side by side, and summarised by the median of
+the rounds (the machines are shared and drift).
+
+Reported per model: decode tokens/s (median step; the median over rounds), resident weight bytes (every parameter
 and buffer of the model), active weight bytes per token (everything but the embedding
 table; routed experts at top_k / num_experts of their bytes), and the roofline = measured
 memory bandwidth (a `sum` over a buffer far larger than the caches, same thread count) /
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per model")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over the three models")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default=None, help=f"checkpoint cache (default ${CACHE_ENV} or a temp dir)")
     args = ap.parse_args(argv)
@@ -112,19 +117,22 @@ def main(argv: list[str] | None = None) -> None:
         paths[f"nvfp4-{scope}"] = nvfp4_checkpoint(src, scope, cache)
 
     bandwidth = memory_bandwidth()
+    models = {name: musespark.load_model(path, backend="cpu") for name, path in paths.items()}
+    rates: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(args.repeats):
+        for name, model in models.items():
+            rates[name].append(decode_rate(model, args.prompt_len, args.tokens, args.seed))
     rows = {}
-    for name, path in paths.items():
-        model = musespark.load_model(path, backend="cpu")
+    for name, model in models.items():
         resident, active = weight_bytes(model)
-        rate = decode_rate(model, args.prompt_len, args.tokens, args.seed)
+        rate = statistics.median(rates[name])
         roofline = bandwidth / active
-        rows[name] = {"decode_tok_s": round(rate, 2), "resident_weight_bytes": resident,
-                      "active_weight_bytes_per_token": active, "roofline_tok_s": round(roofline, 2),
-                      "pct_of_roofline": round(100 * rate / roofline, 1), "backend": model.backend.name}
-        del model
-    base = rows["bf16"]["decode_tok_s"]
-    for row in rows.values():
-        row["speedup_vs_bf16"] = round(row["decode_tok_s"] / base, 2)
+        ratios = [r / b for r, b in zip(rates[name], rates["bf16"])]
+        rows[name] = {"decode_tok_s": round(rate, 2), "rounds_tok_s": [round(r, 2) for r in rates[name]],
+                      "resident_weight_bytes": resident, "active_weight_bytes_per_token": active,
+                      "roofline_tok_s": round(roofline, 2), "pct_of_roofline": round(100 * rate / roofline, 1),
+                      "backend": model.backend.name, "speedup_vs_bf16": round(statistics.median(ratios), 2),
+                      "speedup_per_round": [round(r, 2) for r in ratios]}
 
     print(f"{args.preset}, batch-1 decode, cpu backend, {torch.get_num_threads()} thread(s), "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:<16}{r['decode_tok_s']:>8.1f}{r['speedup_vs_bf16']:>8.2f}{r['resident_weight_bytes'] / 1e6:>13.1f}"
               f"{r['active_weight_bytes_per_token'] / 1e6:>15.1f}{r['roofline_tok_s']:>16.1f}{r['pct_of_roofline']:>8.1f}")
     print_json({"benchmark": "nvfp4", "preset": args.preset, "tokens": args.tokens, "prompt_len": args.prompt_len,
+                "repeats": args.repeats,
                 "threads": torch.get_num_threads(), "seed": args.seed, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
                 "results": rows})
 
