@@ -300,7 +300,7 @@ class ModelRunner:
                 adjust.forbid(i, sorted(stop_ids))
         result = sample(logits, batch, logit_adjust=adjust.tensor)
         tokens = result.token_ids.tolist()
-        chosen = result.logprobs.tolist()
+        chosen = result.logprobs.tolist() if result.logprobs is not None else None  # None: nobody asked
         top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
         top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         for i, r in enumerate(requests):

@@ -223,7 +223,7 @@ def banned_by_bad_words(bad_words_token_ids: list[list[int]], output_token_ids: 
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] fp32: chosen token under the raw logits' log_softmax
+    logprobs: torch.Tensor | None  # [B] fp32: chosen token under the raw logits' log_softmax (None: no row asked)
     top_logprobs: torch.Tensor | None  # [B, K] fp32, descending; K = max asked in the batch
     top_token_ids: torch.Tensor | None  # [B, K] int64
 
@@ -334,12 +334,12 @@ def sample(
         else:
             token_ids = _exponential_race(probs, batch.generators)
 
-    # Reported logprobs: the raw model distribution, before penalties/temperature.
+    # Reported logprobs: the raw model distribution, before penalties/temperature (none when
+    # no row asks: a [B, V] logsumexp is a measurable part of a small decode step).
+    K = batch.max_num_logprobs
+    if K is None:
+        return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None, top_token_ids=None)
     lse = torch.logsumexp(raw, dim=-1, keepdim=True)  # [B, 1]
     chosen = (raw.gather(-1, token_ids[:, None]) - lse).squeeze(-1)  # [B]
-    top_lp = top_ids = None
-    K = batch.max_num_logprobs
-    if K is not None:
-        vals, top_ids = raw.topk(min(K, V), dim=-1)  # order of logits == order of logprobs
-        top_lp = vals - lse
-    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top_lp, top_token_ids=top_ids)
+    vals, top_ids = raw.topk(min(K, V), dim=-1)  # order of logits == order of logprobs
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=vals - lse, top_token_ids=top_ids)
