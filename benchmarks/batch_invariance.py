@@ -27,7 +27,7 @@ import torch
 
 from musespark import LLM, SamplingParams
 from musespark.bench.common import print_json
-from musespark.bench.presets import make_checkpoint
+from musespark.bench.presets import make_checkpoint, preset_config
 from musespark.kernels.cpu import native_ops
 
 CASES = {"long2048": (1, 2048), "b8": (8, 128)}  # prompts, tokens each
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("batch_invariance.py: the native CPU kernels are unavailable here")
     llm = LLM(model=str(make_checkpoint(args.preset, "bfloat16")), dtype="bfloat16", enable_prefix_caching=False,
               max_model_len=4096, seed=args.seed)
+    vocab = preset_config(args.preset).vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     before = ops.set_batch_invariant(True)
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for case in args.cases.split(","):
             n, length = CASES[case]
-            prompts = [{"prompt_token_ids": torch.randint(3, 30000, (length,), generator=gen).tolist()}
+            prompts = [{"prompt_token_ids": torch.randint(3, vocab, (length,), generator=gen).tolist()}
                        for _ in range(n)]
             times: dict[bool, list[float]] = {True: [], False: []}
             llm.generate(prompts, params, use_tqdm=False)  # warm-up

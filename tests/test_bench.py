@@ -116,3 +116,15 @@ def test_compare_hf_quick(cache):
     # fp32 greedy decoding of the same weights agrees token for token: both engines ran the same work.
     assert case["greedy_prefix_agreement"]["mean_tokens"] == case["greedy_prefix_agreement"]["of_tokens"]
     assert "float32/b1/decode_tok_s" in out["summary_median_ratios"]
+
+
+def test_batch_invariance_benchmark(cache):
+    from musespark.kernels.cpu import native_ops, unavailable_reason
+
+    if native_ops() is None:
+        pytest.skip(f"batch_invariance.py toggles the native kernels: unavailable ({unavailable_reason()})")
+    out = run_json(["benchmarks/batch_invariance.py", "--preset", "bench-tiny", "--rounds", "2", "--cases", "b8"], cache)
+    assert out["benchmark"] == "batch_invariance" and out["rounds"] == 2
+    b8 = out["results"]["b8"]
+    assert len(b8["invariant_s"]) == len(b8["onednn_s"]) == 2
+    assert positive(*b8["invariant_s"], *b8["onednn_s"], b8["cost_ratio_median"])
