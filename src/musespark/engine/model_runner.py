@@ -300,14 +300,12 @@ class ModelRunner:
                 adjust.forbid(i, sorted(stop_ids))
         result = sample(logits, batch, logit_adjust=adjust.tensor)
         tokens = result.token_ids.tolist()
-        chosen = result.logprobs.tolist() if result.logprobs is not None else None  # None: nobody asked
-        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-        top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        asked = result.logprobs is not None  # then every logprob field is set (sampler.sample)
+        chosen = result.logprobs.tolist() if asked else []
+        top_ids = result.top_token_ids.tolist() if asked else []
+        top_lp = result.top_logprobs.tolist() if asked else []
         for i, r in enumerate(requests):
             out.sampled[r.request_id] = tokens[i]
             if r.params.logprobs is not None:
                 k = r.params.logprobs
-                if top_ids is None:
-                    out.logprobs[r.request_id] = (chosen[i], [], [])
-                else:
-                    out.logprobs[r.request_id] = (chosen[i], top_ids[i][:k], top_lp[i][:k])
+                out.logprobs[r.request_id] = (chosen[i], top_ids[i][:k], top_lp[i][:k])
