@@ -25,6 +25,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -32,6 +33,8 @@ namespace {
 using musespark_simd::load8;
 
 constexpr int64_t kAheadKeys = 8;
+// A work unit's cost beyond its keys (setup, softmax, output), counted as this many keys.
+constexpr int64_t kUnitFixedKeys = 16;
 
 // The horizontal sums of 8 vectors, as one vector: lane j = sum of a[j]'s lanes.
 inline __m256 hsum8(const __m256 a[8]) {
@@ -191,15 +194,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto run = [&](auto* kc, auto* vc) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
     const bool avx512 = std::is_same_v<T, at::BFloat16> && musespark_isa::avx512_bf16() &&
-                        musespark_avx512::decode_attention_fits(D, G);
+                        musespark_avx512::decode_attention_fits(D, nH);
     // Work units: whole sequences (their KV heads' rows are adjacent in the cache: one
     // stream) when there are enough of them for the threads, else (sequence, KV head) pairs.
-    const int64_t nh = B >= 2 * at::get_num_threads() ? nKV : 1, units = nKV / nh;
-    at::parallel_for(0, B * units, 1, [&](int64_t w0, int64_t w1) {
-      for (int64_t w = w0; w < w1; ++w) {
+    // Each thread takes a run of units of near-equal cost (keys read + kUnitFixedKeys), so
+    // short and long sequences spread evenly; where a unit runs never changes its result.
+    const int64_t threads = at::get_num_threads();
+    const int64_t nh = B >= 2 * threads ? nKV : 1, units = nKV / nh;
+    auto reach = [&](int64_t b) {  // [first, last] key positions of sequence b
+      const int64_t last = lens[b] - 1;
+      return std::make_pair(window > 0 ? std::max<int64_t>(0, last - window + 1) : 0, last);
+    };
+    std::vector<int64_t> bounds{0};
+    int64_t total = 0, done = 0;
+    for (int64_t b = 0; b < B; ++b) total += (reach(b).second - reach(b).first + 1 + kUnitFixedKeys) * units;
+    for (int64_t w = 0; w < B * units && static_cast<int64_t>(bounds.size()) < threads; ++w) {
+      const auto [first, last] = reach(w / units);
+      done += last - first + 1 + kUnitFixedKeys;
+      if (done * threads >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(w + 1);
+    }
+    while (static_cast<int64_t>(bounds.size()) <= threads) bounds.push_back(B * units);
+    at::parallel_for(0, threads, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t w = bounds[p0]; w < bounds[p1]; ++w) {
         const int64_t b = w / units, h = (w % units) * nh;
-        const int64_t last = lens[b] - 1;
-        const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+        const auto [first, last] = reach(b);
         std::vector<uint16_t> qb;
         const bool fast = avx512 && bf16_query(qp + b * nH * D, nH * D, qb);
         attend(qp + (b * nH + h * G) * D, fast ? qb.data() + h * G * D : nullptr, nh, G, D, kc + h * D, vc + h * D,

@@ -406,12 +406,17 @@ inline __m512 lane_sums(__m512* v) {
 }
 
 constexpr int64_t kMaxHeadDim = 512;
-constexpr int64_t kMaxHeads = 64;  // query heads per KV head
+constexpr int64_t kMaxHeads = 1024;  // query heads of a sequence (nh * G)
 alignas(64) const uint16_t kZeroRow[kMaxHeadDim] = {};  // the key past the last (scores unused)
 
-// Cache rows are scattered (one per slot): keys are prefetched this many ahead (a DRAM
-// latency's worth of the loop), each value row while its key is read, for the P V pass.
+// Each pass streams its rows (K, then V: the nh heads' rows of a slot are adjacent) and
+// prefetches them this many slots ahead, a DRAM latency's worth of the loop; slots within a
+// block are adjacent, blocks anywhere.
 constexpr int64_t kKeysAhead = 32;
+// The P V pass takes the keys in chunks of this many slots, every head over one chunk
+// before the next (the chunk's value rows stay in L1); each head's sums still run over the
+// keys in order, kept in `out` between chunks.
+constexpr int64_t kValueChunk = 32;
 
 inline void prefetch_row(const uint16_t* p, int64_t bytes, int hint) {
 #pragma GCC unroll 8
@@ -443,20 +448,16 @@ inline void score_step(const uint16_t* q, int64_t D, const uint16_t* const* row,
 
 // Scores of nh KV heads' G query heads each (GH at a time), the keys in steps of 16 / GH
 // and, within a step, every head: the nh heads' rows of a slot are adjacent, so the keys are
-// read as one stream (and the values prefetched for the P V pass).
+// read as one stream.
 template <int GH>
-void scores_all(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v,
-                int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores) {
+void scores_all(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, int64_t stride,
+                const int64_t* slots, int64_t L, float scale, float* scores) {
   constexpr int KJ = 16 / GH;
-  const int64_t span = 2 * D * nh;
   for (int64_t i0 = 0; i0 < L; i0 += KJ) {
     const int64_t n = L - i0 < KJ ? L - i0 : KJ;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = i0 + j;
-      if (i + kKeysAhead < L) prefetch_row(k + slots[i + kKeysAhead] * stride, span, _MM_HINT_T0);
-      prefetch_row(v + slots[i] * stride, span, _MM_HINT_T1);
-    }
     for (int64_t h = 0; h < nh; ++h) {
+      for (int64_t j = 0; j < n; ++j)  // this head's part only: prefetches spread over the step
+        if (i0 + j + kKeysAhead < L) prefetch_row(k + slots[i0 + j + kKeysAhead] * stride + h * D, 2 * D, _MM_HINT_T0);
       const uint16_t* row[KJ];
       for (int64_t j = 0; j < KJ; ++j) row[j] = j < n ? k + slots[i0 + j] * stride + h * D : kZeroRow;
       for (int64_t g = 0; g < G; g += GH)
@@ -465,15 +466,17 @@ void scores_all(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint1
   }
 }
 
-// GH heads x DV vectors of 16 output dimensions: out += p[g, i] * v_i over the keys in order.
+// GH heads x DV vectors of 16 output dimensions: out += p[g, i] * v_i over keys [i0, i1)
+// in order (out holds the sums over the keys before i0). With `prefetch`, the same columns of
+// the next chunk's rows (up to key L) are prefetched, one row per key.
 template <int GH, int DV>
-void values_group(const float* p, int64_t ldp, const float* inv, int64_t L, const uint16_t* v, int64_t stride,
-                  const int64_t* slots, float* out, int64_t ldo) {
+void values_group(const float* p, int64_t ldp, int64_t i0, int64_t i1, const uint16_t* v, int64_t stride,
+                  const int64_t* slots, float* out, int64_t ldo, bool prefetch, int64_t L) {
   __m512 acc[GH][DV];
   for (int g = 0; g < GH; ++g)
-    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < L; ++i) {
-    if (i + 8 < L) prefetch_row(v + slots[i + 8] * stride, 32 * DV, _MM_HINT_T0);
+    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_loadu_ps(out + g * ldo + 16 * c);
+  for (int64_t i = i0; i < i1; ++i) {
+    if (prefetch && i + kValueChunk < L) prefetch_row(v + slots[i + kValueChunk] * stride, 32 * DV, _MM_HINT_T0);
     const uint16_t* row = v + slots[i] * stride;
     __m512 vf[DV];
     for (int c = 0; c < DV; ++c)
@@ -485,7 +488,7 @@ void values_group(const float* p, int64_t ldp, const float* inv, int64_t L, cons
     }
   }
   for (int g = 0; g < GH; ++g)
-    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + g * ldo + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + g * ldo + 16 * c, acc[g][c]);
 }
 
 // s[0:L] <- exp(s - max s) (16 lanes, exp16); returns 1 / their sum (16 lane sums over the
@@ -510,40 +513,48 @@ inline float softmax_unnormalized(float* s, int64_t L) {
 
 }  // namespace
 
-bool decode_attention_fits(int64_t D, int64_t G) { return D % 32 == 0 && D <= kMaxHeadDim && G <= kMaxHeads; }
+bool decode_attention_fits(int64_t D, int64_t H) { return D % 32 == 0 && D <= kMaxHeadDim && H <= kMaxHeads; }
 
 void decode_attention(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v,
                       int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores, float* out) {
   if (G % 4 == 0)
-    scores_all<4>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
+    scores_all<4>(q, nh, G, D, k, stride, slots, L, scale, scores);
   else if (G % 2 == 0)
-    scores_all<2>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
+    scores_all<2>(q, nh, G, D, k, stride, slots, L, scale, scores);
   else
-    scores_all<1>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
-  for (int64_t h = 0; h < nh; ++h) {
-    float inv[kMaxHeads];
-    const float* ph = scores + h * G * L;
-    for (int64_t g = 0; g < G; ++g) inv[g] = softmax_unnormalized(scores + (h * G + g) * L, L);
-    const uint16_t* vh = v + h * D;
-    float* oh = out + h * G * D;
-    for (int64_t g = 0; g < G; g += 4) {
-      const int64_t gh = G - g < 4 ? G - g : 4;
-      for (int64_t d = 0; d < D; d += 64) {
-        const float* pg = ph + g * L;
-        float* og = oh + g * D + d;
-        const bool wide = d + 64 <= D;  // else D % 64 == 32: two vectors
-        if (gh == 4) {
-          if (wide) values_group<4, 4>(pg, L, inv + g, L, vh + d, stride, slots, og, D);
-          else values_group<4, 2>(pg, L, inv + g, L, vh + d, stride, slots, og, D);
-          continue;
-        }
-        for (int64_t e = 0; e < gh; ++e) {
-          if (wide) values_group<1, 4>(pg + e * L, L, inv + g + e, L, vh + d, stride, slots, og + e * D, D);
-          else values_group<1, 2>(pg + e * L, L, inv + g + e, L, vh + d, stride, slots, og + e * D, D);
+    scores_all<1>(q, nh, G, D, k, stride, slots, L, scale, scores);
+  const int64_t H = nh * G;  // query heads; scores [H, L], out [H, D]
+  float inv[kMaxHeads];
+  for (int64_t r = 0; r < H; ++r) inv[r] = softmax_unnormalized(scores + r * L, L);
+  for (int64_t i = 0; i < H * D; ++i) out[i] = 0.f;
+  for (int64_t i0 = 0; i0 < L; i0 += kValueChunk) {
+    const int64_t i1 = i0 + kValueChunk < L ? i0 + kValueChunk : L;
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* ph = scores + h * G * L;
+      const uint16_t* vh = v + h * D;
+      float* oh = out + h * G * D;
+      for (int64_t g = 0; g < G; g += 4) {
+        const int64_t gh = G - g < 4 ? G - g : 4;
+        for (int64_t d = 0; d < D; d += 64) {
+          const float* pg = ph + g * L;
+          float* og = oh + g * D + d;
+          const bool wide = d + 64 <= D;  // else D % 64 == 32: two vectors
+          if (gh == 4) {
+            if (wide) values_group<4, 4>(pg, L, i0, i1, vh + d, stride, slots, og, D, g == 0, L);
+            else values_group<4, 2>(pg, L, i0, i1, vh + d, stride, slots, og, D, g == 0, L);
+            continue;
+          }
+          for (int64_t e = 0; e < gh; ++e) {
+            if (wide) values_group<1, 4>(pg + e * L, L, i0, i1, vh + d, stride, slots, og + e * D, D, g + e == 0, L);
+            else values_group<1, 2>(pg + e * L, L, i0, i1, vh + d, stride, slots, og + e * D, D, g + e == 0, L);
+          }
         }
       }
     }
   }
+  for (int64_t r = 0; r < H; ++r)
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(out + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(out + r * D + d), _mm512_set1_ps(inv[r])));
 }
 
 }  // namespace musespark_avx512

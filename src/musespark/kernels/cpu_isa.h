@@ -59,13 +59,13 @@ namespace musespark_avx512 {
 
 // Decode attention over a bf16 paged cache for one sequence's nh adjacent KV heads and
 // their G query heads each (cpu_attention.cpp states the contract), when
-// decode_attention_fits(D, G). q [nh * G, D] bf16 bits; k, v point at the first KV head's
-// first element, key i's rows at slots[i] * stride (+ h * D for head h); scores: [nh * G, L]
-// scratch. Scores scale * q . k_i by vdpbf16ps (exact products, fp32 sums in one fixed
+// decode_attention_fits(D, H) for the sequence's H query heads. q [nh * G, D] bf16 bits;
+// k, v point at the first KV head's first element, key i's rows at slots[i] * stride
+// (+ h * D for head h); scores: [nh * G, L] scratch. Scores scale * q . k_i by vdpbf16ps (exact products, fp32 sums in one fixed
 // order), softmax in fp32 (16-lane exp, sums and max), out [nh * G, D] fp32 =
 // (sum_i p[g, i] * v_i, FMAs in key order) / sum_i p[g, i]. Each head's result is the same
 // whatever nh.
-bool decode_attention_fits(int64_t D, int64_t G);
+bool decode_attention_fits(int64_t D, int64_t H);
 void decode_attention(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v,
                       int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores, float* out);
 
