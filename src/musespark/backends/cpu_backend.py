@@ -299,7 +299,5 @@ class CpuBackend(TorchBackend):
                 and y.shape[0] > 0):
             with self.nvfp4.native(model):
                 return super().logits(model, y)
-        cap = model.config.final_logit_softcapping
-        x = self.ops.linear_small_m(y.reshape(-1, y.shape[-1]), model.lm_head.weight).float()
-        x = x * model.config.output_multiplier
-        return cap * torch.tanh(x / cap)
+        return self.ops.softcapped_logits(y.reshape(-1, y.shape[-1]), model.lm_head.weight,
+                                          model.config.output_multiplier, model.config.final_logit_softcapping)

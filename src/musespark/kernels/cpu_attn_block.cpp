@@ -66,12 +66,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
       auto head = [&](const float* x, float scale, Out* out) {
         rms_row(x, D, nullptr, e, false, scale, norm, r, !bf16);
         if (rope) rope_row(r, cp + t * D, sp + t * D, D, scratch);
-        for (int64_t i = 0; i < D; ++i) out[i] = static_cast<Out>(r[i]);
+        musespark_simd::store_row(r, out, D);
       };
       for (int64_t i = 0; i < nH; ++i) head(row + i * D, qs, qp + (t * nH + i) * D);
       for (int64_t i = 0; i < nKV; ++i) head(row + ok + i * D, 1.f, kp + (t * nKV + i) * D);
-      for (int64_t i = 0; i < nKV * D; ++i) vp[t * nKV * D + i] = static_cast<Out>(row[ov + i]);
-      for (int64_t i = 0; i < nH * D; ++i) gp[t * nH * D + i] = static_cast<Out>(row[og + i]);
+      musespark_simd::store_row(row + ov, vp + t * nKV * D, nKV * D);
+      musespark_simd::store_row(row + og, gp + t * nH * D, nH * D);
     });
   };
   if (bf16)

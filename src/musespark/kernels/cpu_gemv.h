@@ -227,7 +227,7 @@ inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jo
       if (seen[i] == b.x && out[i].size() == static_cast<size_t>(b.M * b.K)) which[j] = static_cast<int>(i);
     if (which[j] >= 0) continue;
     std::vector<uint16_t> xb(b.M * b.K);
-    for (int64_t i = 0; i < b.M * b.K; ++i) xb[i] = at::BFloat16(b.x[i]).x;
+    musespark_simd::to_bf16_bits(b.x, xb.data(), b.M * b.K);
     which[j] = static_cast<int>(out.size());
     seen.push_back(b.x);
     out.push_back(std::move(xb));

@@ -1,5 +1,6 @@
 // `linear_small_m(x, w)`: y[M, N] = x[M, K] @ w[N, K]^T on x86 CPUs with AVX2+FMA, the
-// kernel of cpu_gemv.h behind a torch op.
+// kernel of cpu_gemv.h behind a torch op; `softcapped_logits` the same product with the
+// head's soft cap applied on the way out.
 //
 // Invariants: x is fp32 or bf16 [M, K]; w is bf16 or fp32 [N, K]; K % 8 == 0; the result
 // is [M, N] in x's dtype, rounded once from fp32 accumulators (8 lanes summed at the end:
@@ -9,11 +10,14 @@
 
 #include "cpu_gemv.h"
 #include "cpu_isa.h"
+#include "cpu_simd.h"
 
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
 #include <atomic>
 #include <string>
-
-#include <vector>
 
 namespace musespark_isa {
 
@@ -59,30 +63,54 @@ bool set_batch_invariant(bool on) {
   return before;
 }
 
+// x @ w^T from fp32 accumulators: [M, N] fp32, whatever x's dtype (bf16 x is widened first).
+at::Tensor products_fp32(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x [M, K] and w [N, K] must be 2-D");
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x has K=", x.size(1), ", w has K=", w.size(1));
+  TORCH_CHECK(x.size(1) % 8 == 0, op, ": K must be a multiple of 8, got ", x.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat, op,
+              ": w must be bfloat16 or float32");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto xf = x.to(at::kFloat).contiguous();  // exact widening
+  const auto wc = w.contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), N = wc.size(0);
+  auto y = at::empty({M, N}, xf.options());
+  if (M > 0 && N > 0) musespark_gemv::run(xf.data_ptr<float>(), M, K, wc, y.data_ptr<float>(), /*x_bf16=*/bf16);
+  return y;
+}
+
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_small_m: x [M, K] and w [N, K] must be 2-D");
-  TORCH_CHECK(x.size(1) == w.size(1), "linear_small_m: x has K=", x.size(1), ", w has K=", w.size(1));
-  TORCH_CHECK(x.size(1) % 8 == 0, "linear_small_m: K must be a multiple of 8, got ", x.size(1));
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "linear_small_m: x must be float32 or bfloat16");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat,
-              "linear_small_m: w must be bfloat16 or float32");
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
-  auto y = at::empty({M, N}, xc.options());
-  if (M == 0 || N == 0) return y;
-  if (xc.scalar_type() == at::kFloat) {
-    musespark_gemv::run(xc.data_ptr<float>(), M, K, wc, y.data_ptr<float>(), /*x_bf16=*/false);
-    return y;
+  const at::Tensor y = products_fp32("linear_small_m", x, w);
+  return x.scalar_type() == at::kBFloat16 ? y.to(at::kBFloat16) : y;  // rounded once, to nearest even
+}
+
+// The soft-capped logits of a head: fp32 [M, N] = cap * tanh(y * multiplier / cap), y as
+// linear_small_m(x, w) returns it (rounded to bf16 when x is bf16, as the head's output is)
+// and widened; each step in fp32 as torch's ops on y do it, tanh by tanh8 (a few ulp from
+// torch's). One pass over the products instead of five, on every thread.
+at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double multiplier, double cap) {
+  TORCH_CHECK(cap > 0, "softcapped_logits: cap must be positive, got ", cap);
+  at::Tensor y = products_fp32("softcapped_logits", x, w);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  float* p = y.data_ptr<float>();
+  const int64_t n = y.numel();
+  const __m256 m = _mm256_set1_ps(static_cast<float>(multiplier)), c = _mm256_set1_ps(static_cast<float>(cap));
+  auto cap8 = [&](float* q) {
+    __m256 z = _mm256_loadu_ps(q);
+    if (bf16) z = musespark_simd::round_bf16_8(z);
+    _mm256_storeu_ps(q, _mm256_mul_ps(c, musespark_simd::tanh8(_mm256_div_ps(_mm256_mul_ps(z, m), c))));
+  };
+  at::parallel_for(0, n / 8, 4096, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) cap8(p + 8 * v);
+  });
+  if (n % 8) {  // the tail through the same code
+    float lane[8] = {};
+    std::copy_n(p + n / 8 * 8, n % 8, lane);
+    cap8(lane);
+    std::copy_n(lane, n % 8, p + n / 8 * 8);
   }
-  // bf16 x: widen into scratch, accumulate in fp32, round once into y.
-  std::vector<float> xf(M * K), yf(M * N);
-  const auto* xp = xc.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(xp[i]);
-  musespark_gemv::run(xf.data(), M, K, wc, yf.data(), /*x_bf16=*/true);
-  auto* yp = y.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * N; ++i) yp[i] = at::BFloat16(yf[i]);
   return y;
 }
 
@@ -90,6 +118,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
 
 TORCH_LIBRARY(musespark_cpu, m) {
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor");
+  m.def("softcapped_logits(Tensor x, Tensor w, float multiplier, float cap) -> Tensor");
   m.def("set_isa(str path) -> str", &set_isa);  // no tensor arguments: catch-all kernels
   m.def("isa_path() -> str", &isa_path);
   m.def("set_batch_invariant(bool on) -> bool", &set_batch_invariant);
@@ -97,4 +126,5 @@ TORCH_LIBRARY(musespark_cpu, m) {
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
   m.impl("linear_small_m", &linear_small_m);
+  m.impl("softcapped_logits", &softcapped_logits);
 }
