@@ -120,11 +120,14 @@ inline void check_stream(const Tensor& s, const char* op) {
 }
 
 // Rounds to bf16 what a bf16 model stores; an fp32 model stores fp32 (nothing to do).
+// A prompt's arrays (millions of values) are split between the threads.
 inline void round_all(float* p, int64_t n, bool bf16) {
   if (!bf16) return;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, musespark_simd::round_bf16_8(_mm256_loadu_ps(p + i)));
-  for (; i < n; ++i) p[i] = round_bf16(p[i]);
+  at::parallel_for(0, n / 8, musespark_simd::kVectorGrain, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v)
+      _mm256_storeu_ps(p + 8 * v, musespark_simd::round_bf16_8(_mm256_loadu_ps(p + 8 * v)));
+  });
+  for (int64_t i = n / 8 * 8; i < n; ++i) p[i] = round_bf16(p[i]);
 }
 
 // Row-parallel loop: f(t, tmp) for every row t, tmp holding `scratch` floats per task.

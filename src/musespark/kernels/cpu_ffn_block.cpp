@@ -145,7 +145,9 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
   }
   float *xs = scratch(kExpertIn, A * Hm), *gu = scratch(kGateUp, A * 2 * I), *act = scratch(kAct, A * I),
         *ys = scratch(kExpertOut, A * Hm);
-  for (int64_t r = 0; r < A; ++r) std::copy_n(u + (order[r] / top_k) * Hm, Hm, xs + r * Hm);
+  at::parallel_for(0, A, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) std::copy_n(u + (order[r] / top_k) * Hm, Hm, xs + r * Hm);
+  });
   std::vector<Job> up_jobs, down_jobs;
   for (int64_t x = 0; x < E; ++x) {
     const int64_t r0 = start[x], n = start[x + 1] - r0;

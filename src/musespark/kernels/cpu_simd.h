@@ -1,6 +1,7 @@
 // Shared AVX2 helpers of the CPU kernels.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -79,16 +80,21 @@ inline __m256 round_bf16_8(__m256 v) {
   return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+// Vectors of 8 per task when an elementwise pass over a prompt's array is split between
+// threads (smaller arrays stay on the calling thread).
+constexpr int64_t kVectorGrain = 8192;
+
 // dst[0:n] = bf16 bits of src[0:n], rounded to nearest even as at::BFloat16(v) (finite v;
-// exact for values that are bf16 already), 8 at a time.
+// exact for values that are bf16 already), 8 at a time, large arrays on every thread.
 inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(_mm256_loadu_ps(src + i))), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
-  }
-  for (; i < n; ++i) dst[i] = at::BFloat16(src[i]).x;
+  at::parallel_for(0, n / 8, kVectorGrain, [&](int64_t v0, int64_t v1) {
+    for (int64_t i = 8 * v0; i < 8 * v1; i += 8) {
+      const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(_mm256_loadu_ps(src + i))), 16);
+      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
+    }
+  });
+  for (int64_t i = n / 8 * 8; i < n; ++i) dst[i] = at::BFloat16(src[i]).x;
 }
 // dst[0:n] = src[0:n] in the model's dtype: bf16 (to_bf16_bits) or fp32 (a copy).
 inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
