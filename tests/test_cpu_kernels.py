@@ -201,6 +201,50 @@ def test_bf16_decode_attention_on_every_path(D, heads, window, kernel_path):
         assert torch.equal(alone[0], got[b])
 
 
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [0, 9])
+def test_paged_decode_step_is_the_write_then_the_decode_kernel(dtype, window, kernel_path):
+    """The one-call decode step writes k, v at the slots and returns, in q's dtype, exactly
+    what index_copy_ + paged_decode_attention (fp32 q) + rounding return: the same caches
+    and the same bits."""
+    nH, nKV, D, bs = 8, 2, 32, 4
+    g = torch.Generator().manual_seed(window + (dtype == torch.bfloat16))
+    seq_lens = [1, 6, 23, 12]
+    B = len(seq_lens)
+    nblocks = 40
+    k_cache = torch.randn(nblocks, bs, nKV, D, generator=g).to(dtype)
+    v_cache = torch.randn(nblocks, bs, nKV, D, generator=g).to(dtype)
+    order = torch.randperm(nblocks, generator=g)
+    tables = order[:B * 8].view(B, 8).clone()
+    slots = torch.tensor([int(tables[b, (n - 1) // bs]) * bs + (n - 1) % bs for b, n in enumerate(seq_lens)])
+    q = torch.randn(B, nH, D, generator=g).to(dtype)
+    k = torch.randn(B, nKV, D, generator=g).to(dtype)
+    v = torch.randn(B, nKV, D, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    kc.view(-1, nKV, D).index_copy_(0, slots, k)
+    vc.view(-1, nKV, D).index_copy_(0, slots, v)
+    want = ops.paged_decode_attention(q.float(), kc, vc, tables, lens, window, 0.2).to(dtype)
+    got = ops.paged_decode_step(q, k, v, k_cache, v_cache, slots, tables, lens, window, 0.2)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+
+
+@needs_ops
+def test_paged_decode_step_names_the_bad_argument():
+    k_cache = torch.zeros(4, 4, 2, 16).bfloat16()
+    q, k = torch.zeros(1, 4, 16).bfloat16(), torch.zeros(1, 2, 16).bfloat16()
+    tables, lens = torch.tensor([[0, 1]]), torch.tensor([3])
+    with pytest.raises(RuntimeError, match="slot_mapping\\[0\\]=16 is outside the cache"):
+        ops.paged_decode_step(q, k, k, k_cache, k_cache.clone(), torch.tensor([16]), tables, lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match="q must be contiguous .* in the cache's dtype"):
+        ops.paged_decode_step(q.float(), k, k, k_cache, k_cache.clone(), torch.tensor([2]), tables, lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match="block_tables\\[0, 0\\]=7 is not a block of the cache"):
+        ops.paged_decode_step(q, k, k, k_cache, k_cache.clone(), torch.tensor([2]), torch.tensor([[7, 1]]), lens, 0,
+                              1.0)
+
+
 def _chunk_attention_reference(q, k, v, q0, k0, window, scale, dtype=torch.float64):
     n, m = q.shape[0], k.shape[0]
     qp, kp = torch.arange(q0, q0 + n), torch.arange(k0, k0 + m)

@@ -248,6 +248,15 @@ class CpuBackend(TorchBackend):
                   positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         native = (self.native_decode and ctx.kv_caches is not None
                   and ctx.kv_caches[attn.layer][0].dtype in _NATIVE_CACHE_DTYPES)
+        if native and q.shape[0] == ctx.num_seqs and q.dtype == k.dtype == ctx.kv_caches[attn.layer][0].dtype:
+            # A pure decode step: the cache writes and the decode kernel in one call (the
+            # numbers paged_attention's decode path gives, without its per-layer glue).
+            assert ctx.groups is not None and ctx.layer_group is not None
+            group = ctx.groups[ctx.layer_group[attn.layer]]
+            k_cache, v_cache = ctx.kv_caches[attn.layer]
+            return self.ops.paged_decode_step(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                              group.slot_mapping, group.block_tables, ctx.seq_lens_tensor(q.device),
+                                              attn.window or 0, attn.scale)
         return paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window,
                                decode=self.ops.paged_decode_attention if native else None,
                                prefill=self.ops.prefill_attention if native and self.native_prefill

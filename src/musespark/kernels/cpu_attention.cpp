@@ -6,7 +6,9 @@
 // position seq_lens[b] - 1 and sees keys at positions [max(0, pos - window + 1), pos]
 // (window 0: all). Head h reads KV head h / (nH / nKV). Scores and the softmax are fp32:
 // softmax(scale * q.k) @ v, exp by a polynomial good to ~1e-7 relative; the result is
-// fp32 [B, nH, D]. D % 8 == 0.
+// fp32 [B, nH, D]. D % 8 == 0. `paged_decode_step` is the same attention for a decode step
+// of one layer in one call: it first writes the step's keys and values into the cache, takes
+// q in the cache's dtype (bf16 or fp32) and returns that dtype.
 //
 // ISA dispatch (cpu_isa.h): on AVX-512-BF16 CPUs a bf16 cache whose queries hold bf16 values
 // (a bf16 model's) takes musespark_avx512::decode_attention (D % 32 == 0): Q K^T by
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -164,29 +167,48 @@ void attend(const float* q, const uint16_t* qb, int64_t nh, int64_t G, int64_t D
                 scores.data(), out + h * G * D);
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
-                                  double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "paged_decode_attention: q must be contiguous float32 [B, nH, D]");
+// The arguments both ops share: caches, block tables and lengths that fit each other, and
+// every block a query reaches (its window's) inside the cache.
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens, int64_t window, int64_t B, int64_t nH, int64_t D, const char* op) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: k_cache/v_cache must be contiguous [num_blocks, block_size, nKV, D] alike");
+              op, ": k_cache/v_cache must be contiguous [num_blocks, block_size, nKV, D] alike");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat, op,
+              ": the cache must be bfloat16 or float32");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
-                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode_attention: block_tables and seq_lens must be contiguous int64");
+                  block_tables.dim() == 2 && seq_lens.dim() == 1 && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous(),
+              op, ": block_tables [B, max_blocks] and seq_lens [B] must be contiguous int64");
+  const int64_t block_size = k_cache.size(1), nKV = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0 && nH % nKV == 0, op,
+              ": head_dim must match and be a multiple of 8; nH divisible by nKV");
+  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, op, ": batch sizes differ");
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1), num_blocks = k_cache.size(0);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] - 1) / block_size < max_blocks, op, ": seq_lens[", b, "]=", lens[b],
+                " does not fit the block table");
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    for (int64_t j = first / block_size; j <= (lens[b] - 1) / block_size; ++j)
+      TORCH_CHECK(tables[b * max_blocks + j] >= 0 && tables[b * max_blocks + j] < num_blocks, op,
+                  ": block_tables[", b, ", ", j, "]=", tables[b * max_blocks + j], " is not a block of the cache");
+  }
+}
+
+// The kernel behind both ops: q [B, nH, D] fp32, or bf16 (then the AVX-512 kernel reads its
+// bits directly; the AVX2 kernel widens each sequence's row) -> fp32 [B, nH, D].
+at::Tensor decode_core(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window, double scale) {
   const int64_t B = q.size(0), nH = q.size(1), D = q.size(2);
   const int64_t block_size = k_cache.size(1), nKV = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 8 == 0 && nH % nKV == 0,
-              "paged_decode_attention: head_dim must match and be a multiple of 8; nH divisible by nKV");
-  TORCH_CHECK(block_tables.size(0) == B && seq_lens.size(0) == B, "paged_decode_attention: batch sizes differ");
   const int64_t G = nH / nKV, max_blocks = block_tables.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && (lens[b] - 1) / block_size < max_blocks,
-                "paged_decode_attention: seq_lens[", b, "]=", lens[b], " does not fit the block table");
-  auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
+  auto out = at::empty({B, nH, D}, q.options().dtype(at::kFloat));
+  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  const float* qp = q_bf16 ? nullptr : q.data_ptr<float>();
+  const uint16_t* q16 = q_bf16 ? reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t slot_stride = nKV * D;
@@ -215,23 +237,83 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     }
     while (static_cast<int64_t>(bounds.size()) <= threads) bounds.push_back(B * units);
     at::parallel_for(0, threads, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> widened;
+      std::vector<uint16_t> qb;
       for (int64_t w = bounds[p0]; w < bounds[p1]; ++w) {
         const int64_t b = w / units, h = (w % units) * nh;
         const auto [first, last] = reach(b);
-        std::vector<uint16_t> qb;
-        const bool fast = avx512 && bf16_query(qp + b * nH * D, nH * D, qb);
-        attend(qp + (b * nH + h * G) * D, fast ? qb.data() + h * G * D : nullptr, nh, G, D, kc + h * D, vc + h * D,
-               slot_stride, tables + b * max_blocks, block_size, first, last, s, op + (b * nH + h * G) * D);
+        const float* qrow = qp ? qp + b * nH * D : nullptr;
+        const uint16_t* qbits = nullptr;
+        if (q16 != nullptr) {  // a bf16 query: its own bits, or widened for the AVX2 kernel
+          if (avx512) {
+            qbits = q16 + b * nH * D;
+          } else {
+            widened.resize(static_cast<size_t>(nH * D));
+            for (int64_t i = 0; i < nH * D; ++i) widened[i] = musespark_simd::bf16_to_float(q16[b * nH * D + i]);
+            qrow = widened.data();
+          }
+        } else if (avx512 && bf16_query(qrow, nH * D, qb)) {
+          qbits = qb.data();
+        }
+        attend(qrow ? qrow + h * G * D : nullptr, qbits ? qbits + h * G * D : nullptr, nh, G, D, kc + h * D,
+               vc + h * D, slot_stride, tables + b * max_blocks, block_size, first, last, s,
+               op + (b * nH + h * G) * D);
       }
     });
   };
   if (k_cache.scalar_type() == at::kBFloat16)
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
-  else if (k_cache.scalar_type() == at::kFloat)
-    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else
-    TORCH_CHECK(false, "paged_decode_attention: the cache must be bfloat16 or float32");
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t window,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_decode_attention: q must be contiguous float32 [B, nH, D]");
+  check_cache(k_cache, v_cache, block_tables, seq_lens, window, q.size(0), q.size(1), q.size(2),
+              "paged_decode_attention");
+  return decode_core(q, k_cache, v_cache, block_tables, seq_lens, window, scale);
+}
+
+// One decode step of a layer in one call: the new keys and values k, v [B, nKV, D] (the
+// cache's dtype) are written at slot_mapping [B] (flat slot = block * block_size + offset),
+// then every sequence's query q [B, nH, D] (the cache's dtype) attends as in
+// paged_decode_attention; the result is q's dtype (bf16: rounded once from fp32).
+at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                             at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t window, double scale) {
+  const char* op = "paged_decode_step";
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(), op,
+              ": q must be contiguous [B, nH, D] in the cache's dtype");
+  const int64_t B = q.size(0), nH = q.size(1), D = q.size(2);
+  check_cache(k_cache, v_cache, block_tables, seq_lens, window, B, nH, D, op);
+  const int64_t nKV = k_cache.size(2), slots = k_cache.size(0) * k_cache.size(1);
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == nKV && t->size(2) == D && t->is_contiguous() &&
+                    t->scalar_type() == k_cache.scalar_type(),
+                op, ": k and v must be contiguous [B, nKV, D] in the cache's dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == B && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous(),
+              op, ": slot_mapping must be contiguous int64 [B]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < slots, op, ": slot_mapping[", b, "]=", slot[b], " is outside the cache");
+  const int64_t row = nKV * D * static_cast<int64_t>(k.element_size());
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(kc + slot[b] * row, static_cast<const char*>(k.data_ptr()) + b * row, static_cast<size_t>(row));
+    std::memcpy(vc + slot[b] * row, static_cast<const char*>(v.data_ptr()) + b * row, static_cast<size_t>(row));
+  }
+  at::Tensor out = decode_core(q, k_cache, v_cache, block_tables, seq_lens, window, scale);
+  if (q.scalar_type() == at::kFloat) return out;
+  auto rounded = at::empty({B, nH, D}, q.options());
+  musespark_simd::to_bf16_bits(out.data_ptr<float>(), reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>()),
+                               out.numel());
+  return rounded;
 }
 
 }  // namespace
@@ -239,8 +321,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "int window, float scale) -> Tensor");
+  m.def("paged_decode_step(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor seq_lens, int window, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_step", &paged_decode_step);
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace musespark_simd {
 
@@ -78,6 +79,13 @@ inline __m256 round_bf16_8(__m256 v) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
   b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
   return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline float bf16_to_float(uint16_t bits) {  // exact: bf16 is the top half of an fp32
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
 // Vectors of 8 per task when an elementwise pass over a prompt's array is split between
