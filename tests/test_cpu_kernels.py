@@ -82,40 +82,20 @@ def test_without_batch_invariance_prompt_sized_products_use_onednn(kernel_path):
 
 @needs_ops
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M,N", [(1, 13), (3, 64), (7, 1001)])
-def test_softcapped_logits_match_the_formula(dtype, M, N, kernel_path):
-    """cap * tanh(y * m / cap) on linear_small_m's y (bf16-rounded for a bf16 head), within a
-    few ulp of torch's ops on the same y; the tails (N * M % 8) go through the same code."""
+@pytest.mark.parametrize("M,N", [(1, 13), (3, 64), (7, 1001), (40, 3000)])
+def test_softcapped_logits_are_torchs_softcap_of_the_head(dtype, M, N, kernel_path):
+    """cap * tanh(y * m / cap) on linear_small_m's y (bf16-rounded for a bf16 head): the same
+    bits as torch's ops on that y, tails (M * N % 8) and multi-threaded sizes included; NaN
+    stays NaN."""
     g = torch.Generator().manual_seed(M * 7 + N)
     w = torch.randn(N, 64, generator=g).to(dtype)
     x = (torch.randn(M, 64, generator=g) * 3).to(dtype)
     multiplier, cap = 0.7, 5.0
-    y = ops.linear_small_m(x, w).float()
-    expected = cap * torch.tanh(y * multiplier / cap)
+    expected = cap * torch.tanh(ops.linear_small_m(x, w).float() * multiplier / cap)
     got = ops.softcapped_logits(x, w, multiplier, cap)
     assert got.dtype == torch.float32 and got.shape == (M, N)
-    assert (got - expected).abs().max() <= 4e-7 * cap, (got - expected).abs().max()
-    assert got.abs().max() <= cap
-
-
-@needs_ops
-def test_softcapped_logits_tanh_is_accurate_everywhere(kernel_path):
-    """The vector tanh against float64 over tiny, moderate and saturating arguments (both
-    signs, both sides of its series/exp switch), zeros and NaN: relative error <= 3 ulp."""
-    vals = torch.cat([torch.logspace(-30, 2, 4000, dtype=torch.float64), torch.linspace(0.3, 0.45, 1000,
-                      dtype=torch.float64), torch.tensor([0.0, 88.0, 1e4], dtype=torch.float64)])
-    vals = torch.cat([vals, -vals]).float()
-    # y = x @ I with a multiplier of 1 and cap 1: the op's output is tanh(vals) exactly computed here.
-    n = vals.numel()
-    eye = torch.eye(8)
-    x = torch.zeros(n, 8)
-    x[:, 0] = vals
-    got = ops.softcapped_logits(x, eye, 1.0, 1.0)[:, 0].double()
-    exact = torch.tanh(vals.double())
-    rel = ((got - exact).abs() / exact.abs().clamp_min(1e-38))
-    assert rel.max() <= 3 * 2.0 ** -23, (float(rel.max()), float(vals[rel.argmax()]))
-    assert torch.equal(got[vals == 0].sign(), exact[vals == 0].sign())
-    nan = ops.softcapped_logits(torch.full((1, 8), float("nan")), eye, 1.0, 1.0)
+    assert torch.equal(got, expected)
+    nan = ops.softcapped_logits(torch.full((1, 64), float("nan")).to(dtype), w, multiplier, cap)
     assert nan.isnan().all()
 
 

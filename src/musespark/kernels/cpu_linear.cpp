@@ -88,29 +88,30 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
 
 // The soft-capped logits of a head: fp32 [M, N] = cap * tanh(y * multiplier / cap), y as
 // linear_small_m(x, w) returns it (rounded to bf16 when x is bf16, as the head's output is)
-// and widened; each step in fp32 as torch's ops on y do it, tanh by tanh8 (a few ulp from
-// torch's). One pass over the products instead of five, on every thread.
+// and widened. Every step is the fp32 operation torch's ops on y perform, tanh is torch's
+// own (at::tanh_): the same bits as `cap * torch.tanh(y.float() * multiplier / cap)`, in
+// place and on every thread instead of five passes with a new tensor each.
 at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double multiplier, double cap) {
   TORCH_CHECK(cap > 0, "softcapped_logits: cap must be positive, got ", cap);
   at::Tensor y = products_fp32("softcapped_logits", x, w);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* p = y.data_ptr<float>();
   const int64_t n = y.numel();
-  const __m256 m = _mm256_set1_ps(static_cast<float>(multiplier)), c = _mm256_set1_ps(static_cast<float>(cap));
-  auto cap8 = [&](float* q) {
-    __m256 z = _mm256_loadu_ps(q);
-    if (bf16) z = musespark_simd::round_bf16_8(z);
-    _mm256_storeu_ps(q, _mm256_mul_ps(c, musespark_simd::tanh8(_mm256_div_ps(_mm256_mul_ps(z, m), c))));
+  const float m = static_cast<float>(multiplier), c = static_cast<float>(cap);
+  auto scaled = [&](int64_t i0, int64_t i1) {  // p = round(p) * m / c
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) {
+      __m256 z = _mm256_loadu_ps(p + i);
+      if (bf16) z = musespark_simd::round_bf16_8(z);
+      _mm256_storeu_ps(p + i, _mm256_div_ps(_mm256_mul_ps(z, _mm256_set1_ps(m)), _mm256_set1_ps(c)));
+    }
+    for (; i < i1; ++i) p[i] = (bf16 ? static_cast<float>(at::BFloat16(p[i])) : p[i]) * m / c;
   };
-  at::parallel_for(0, n / 8, 4096, [&](int64_t v0, int64_t v1) {
-    for (int64_t v = v0; v < v1; ++v) cap8(p + 8 * v);
+  at::parallel_for(0, n, 8 * musespark_simd::kVectorGrain, scaled);
+  y.tanh_();
+  at::parallel_for(0, n, 8 * musespark_simd::kVectorGrain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) p[i] = c * p[i];
   });
-  if (n % 8) {  // the tail through the same code
-    float lane[8] = {};
-    std::copy_n(p + n / 8 * 8, n % 8, lane);
-    cap8(lane);
-    std::copy_n(lane, n % 8, p + n / 8 * 8);
-  }
   return y;
 }
 

@@ -54,24 +54,6 @@ inline __m256 silu8(__m256 x) {
   return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
 
-// tanh(x), 8 lanes, within a few ulp of the exact value: tanh |x| = e / (e + 2) with
-// e = expm1(2 |x|), by its Taylor series (to u^10 / 10!) below u = 0.75, where exp(u) - 1
-// would cancel, and exp8(u) - 1 above; the sign restored. Large |x| gives exactly +-1,
-// NaN gives NaN.
-inline __m256 tanh8(__m256 x) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.f);
-  const __m256 u = _mm256_mul_ps(_mm256_andnot_ps(sign_bit, x), _mm256_set1_ps(2.f));
-  __m256 p = _mm256_set1_ps(1.f / 3628800.f);  // 1 / 10!
-  for (float c : {1.f / 362880.f, 1.f / 40320.f, 1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f,
-                  1.f})
-    p = _mm256_fmadd_ps(p, u, _mm256_set1_ps(c));
-  const __m256 small = _mm256_mul_ps(p, u);
-  const __m256 large = _mm256_sub_ps(exp8(u), _mm256_set1_ps(1.f));
-  const __m256 e = _mm256_blendv_ps(large, small, _mm256_cmp_ps(u, _mm256_set1_ps(0.75f), _CMP_LT_OQ));
-  const __m256 t = _mm256_or_ps(_mm256_div_ps(e, _mm256_add_ps(e, _mm256_set1_ps(2.f))), _mm256_and_ps(x, sign_bit));
-  return _mm256_blendv_ps(t, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
-}
-
 // fp32 -> nearest bf16 (ties to even), kept as fp32; 8 lanes (finite inputs; NaN stays NaN
 // when quiet). The same bits as at::BFloat16(v) for every finite v.
 inline __m256 round_bf16_8(__m256 v) {
