@@ -229,7 +229,8 @@ class SamplerOutput:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition (prompt + output), frequency and presence penalties, in place. [B, V]."""
+    """Repetition (prompt + output), frequency and presence penalties -> a new [B, V] tensor
+    (the input is left as it was)."""
     assert batch.output_counts is not None and batch.seen_mask is not None
     rep = batch.repetition_penalty[:, None]  # [B, 1]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
@@ -289,7 +290,8 @@ def adjusted_logits(logits: torch.Tensor, batch: SamplingBatch, min_tokens_mask:
     """(raw fp32 logits, logits after the adjustments and penalties) [B, V]; a greedy row's
     token is the argmax of the second (`sample` and speculative verification share this)."""
     raw = logits.float()
-    x = raw.clone() if logit_adjust is None else raw + logit_adjust
+    # Every step below makes a new tensor (apply_penalties' first `where` too): x may start as raw.
+    x = raw if logit_adjust is None else raw + logit_adjust
     if min_tokens_mask is not None:
         x = x.masked_fill(min_tokens_mask, float("-inf"))
     if batch.need_penalties:  # -inf stays -inf: a banned token is never revived
