@@ -113,6 +113,10 @@ def test_compare_hf_quick(cache):
     assert len(dec["ratios"]) == out["repeats"] == 2
     assert positive(out["bandwidth_bytes_per_s"], case["roofline"]["tok_s"], case["metrics"]["e2e_s"]["median_ratio"])
     assert positive(*case["metrics"]["ttft_s"]["ratios"], *case["metrics"]["output_tok_s"]["ratios"])
+    # The roofline share: each timed run against the bandwidth probed right after it.
+    probes = case["roofline"]["adjacent_probes_bytes_per_s"]
+    assert len(probes["musespark"]) == len(probes["transformers"]) == 2 and positive(*probes["musespark"])
+    assert positive(case["roofline"]["musespark_pct"], case["roofline"]["transformers_pct"])
     # fp32 greedy decoding of the same weights agrees token for token: both engines ran the same work.
     assert case["greedy_prefix_agreement"]["mean_tokens"] == case["greedy_prefix_agreement"]["of_tokens"]
     assert "float32/b1/decode_tok_s" in out["summary_median_ratios"]
