@@ -281,12 +281,13 @@ def main(argv: list[str] | None = None) -> int:
             probe_mb = args.bandwidth_mb or (512 if args.quick else 1024)
             res = run_case(case, [ms, hf], work, repeats,
                            probe=(lambda: measure_bandwidth(probe_mb)) if case.batch == 1 else None)
+            probes = res.pop("probes", None)
             entry = {"case": case.name, "dtype": dtype, "kind": case.kind, "requests": case.batch,
                      "input_len": list(case.input_len), "output_len": list(case.output_len),
                      "prompt_tokens": sum(len(i) for i, _ in work), "output_tokens": sum(n for _, n in work),
                      **res, "wall_s": time.perf_counter() - t}
             if case.batch == 1:
-                dec, probes = res["metrics"]["decode_tok_s"], res.pop("probes")
+                dec = res["metrics"]["decode_tok_s"]
                 active = active_weight_bytes(cfg, dtype)
 
                 def pct(name: str) -> float:  # each run against the probe taken right after it
