@@ -71,8 +71,9 @@ inline float bf16_to_float(uint16_t bits) {  // exact: bf16 is the top half of a
 }
 
 // Vectors of 8 per task when an elementwise pass over a prompt's array is split between
-// threads (smaller arrays stay on the calling thread).
-constexpr int64_t kVectorGrain = 8192;
+// threads; a decode step's arrays (up to 256K values) stay on the calling thread, where the
+// pass costs less than waking and joining the others.
+constexpr int64_t kVectorGrain = 1 << 15;
 
 // dst[0:n] = bf16 bits of src[0:n], rounded to nearest even as at::BFloat16(v) (finite v;
 // exact for values that are bf16 already), 8 at a time, large arrays on every thread.
