@@ -467,8 +467,11 @@ void scores_all(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint1
 }
 
 // GH heads x DV vectors of 16 output dimensions: out += p[g, i] * v_i over keys [i0, i1)
-// in order (out holds the sums over the keys before i0). With `prefetch`, the same columns of
-// the next chunk's rows (up to key L) are prefetched, one row per key.
+// in order (out holds the sums over the keys before i0). Each 32 values of a row are widened
+// by interleaving zeros (bf16 is the top half of an fp32), which leaves each 16-lane vector
+// holding every other group of 4 dims: out keeps that order until decode_attention puts the
+// dims back. With `prefetch`, the same columns of the next chunk's rows (up to key L) are
+// prefetched, one row per key.
 template <int GH, int DV>
 void values_group(const float* p, int64_t ldp, int64_t i0, int64_t i1, const uint16_t* v, int64_t stride,
                   const int64_t* slots, float* out, int64_t ldo, bool prefetch, int64_t L) {
@@ -479,9 +482,11 @@ void values_group(const float* p, int64_t ldp, int64_t i0, int64_t i1, const uin
     if (prefetch && i + kValueChunk < L) prefetch_row(v + slots[i + kValueChunk] * stride, 32 * DV, _MM_HINT_T0);
     const uint16_t* row = v + slots[i] * stride;
     __m512 vf[DV];
-    for (int c = 0; c < DV; ++c)
-      vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))), 16));
+    for (int c = 0; c < DV; c += 2) {  // 32 values: dims 0-3, 8-11, .. | 4-7, 12-15, .. of the 32
+      const __m512i raw = _mm512_loadu_si512(row + 16 * c);
+      vf[c] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), raw));
+      vf[c + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), raw));
+    }
     for (int g = 0; g < GH; ++g) {
       const __m512 w = _mm512_set1_ps(p[g * ldp + i]);
       for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(w, vf[c], acc[g][c]);
@@ -552,9 +557,16 @@ void decode_attention(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const
       }
     }
   }
+  // Each 32 dims were summed as [lo | hi] halves (values_group's interleaving): back in order.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t r = 0; r < H; ++r)
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(out + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(out + r * D + d), _mm512_set1_ps(inv[r])));
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_loadu_ps(out + r * D + d), hi = _mm512_loadu_ps(out + r * D + d + 16);
+      const __m512 scale = _mm512_set1_ps(inv[r]);
+      _mm512_storeu_ps(out + r * D + d, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
+      _mm512_storeu_ps(out + r * D + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
+    }
 }
 
 }  // namespace musespark_avx512
