@@ -108,11 +108,7 @@ at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double mu
     for (; i < i1; ++i) p[i] = (bf16 ? static_cast<float>(at::BFloat16(p[i])) : p[i]) * m / c;
   };
   at::parallel_for(0, n, 8 * musespark_simd::kVectorGrain, scaled);
-  y.tanh_();
-  at::parallel_for(0, n, 8 * musespark_simd::kVectorGrain, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) p[i] = c * p[i];
-  });
-  return y;
+  return y.tanh_().mul_(cap);  // fp32 products with float(cap), as torch's `cap * t`
 }
 
 }  // namespace
