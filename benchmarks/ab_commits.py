@@ -6,8 +6,10 @@
 Each run is a fresh subprocess that imports musespark from the given `src` directory, loads
 the preset's random-weight checkpoint (made once and cached, `musespark.bench.presets`) in
 bf16, warms up, then times `LLM.generate` (greedy, ignore_eos, prefix caching off) for:
-  b1  one request, 128-token prompt, 128 new tokens
-  b8  8 requests of 128 + 128 at once
+  b1        one request, 128-token prompt, 128 new tokens
+  b8        8 requests of 128 + 128 at once
+  p2048     one 2048-token prompt, 1 new token (the prompt's time: tok/s = 1 / seconds)
+  mixed64   64 requests at once, seeded lengths 16..512 in and 16..512 out (compare_hf's mix)
 The two trees alternate (old new, new old, old new, ...); each case's figure is output tokens per
 second over the whole generate call, and the ratio new/old is computed pair by pair and
 summarised by the median (> 1: the new tree is faster). Prints one JSON line last.
@@ -23,7 +25,8 @@ import sys
 from pathlib import Path
 
 NEW_SRC = Path(__file__).resolve().parents[1] / "src"
-CASES = {"b1": (1, 128, 128), "b8": (8, 128, 128)}  # requests, prompt tokens, new tokens
+# requests, prompt tokens, new tokens: a number, or a seeded (lo, hi) range per request
+CASES = {"b1": (1, 128, 128), "b8": (8, 128, 128), "p2048": (1, 2048, 1), "mixed64": (64, (16, 512), (16, 512))}
 
 CHILD = r'''
 import json, random, sys, time
@@ -34,13 +37,16 @@ assert os.path.realpath(musespark.__file__).startswith(os.path.realpath(sys.argv
 from musespark import LLM, SamplingParams
 from musespark.bench.presets import resolve_model
 path = resolve_model(None, sys.argv[2], "bfloat16", None, seed=0)
-llm = LLM(model=path, dtype="bfloat16", max_model_len=512, max_num_seqs=64, enable_prefix_caching=False)
+llm = LLM(model=path, dtype="bfloat16", max_model_len=2560, max_num_seqs=64, enable_prefix_caching=False)
 vocab = llm.engine.config.vocab_size
 out = {"musespark": __import__("musespark").__file__}
 for name, (n, inp, new) in json.loads(sys.argv[3]).items():
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(inp)]} for _ in range(n)]
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    length = lambda v: rng.randint(*v) if isinstance(v, list) else v
+    prompts, params = [], []
+    for _ in range(n):
+        prompts.append({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(length(inp))]})
+        params.append(SamplingParams(temperature=0.0, max_tokens=length(new), ignore_eos=True))
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     results = llm.generate(prompts, params)

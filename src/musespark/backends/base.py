@@ -16,7 +16,9 @@ reference every other backend is tested against (tests/test_backends.py).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -31,6 +33,12 @@ Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [T, D] fp32 of t
 class Backend(ABC):
     name: ClassVar[str]
     supports_autograd: ClassVar[bool] = False  # without it, a forward that needs gradients runs on torch
+
+    @contextlib.contextmanager
+    def step(self, ctx: "AttentionContext") -> Iterator[None]:
+        """Wraps one forward over the batch `ctx` describes (the model enters it around its
+        layers): a backend that picks kernels per row (ctx.prompt_rows) reads the batch here."""
+        yield
 
     @abstractmethod
     def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:

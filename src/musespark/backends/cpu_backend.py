@@ -226,6 +226,23 @@ class CpuBackend(TorchBackend):
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
         self.weights = _WeightArgs()
+        self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
+
+    @contextmanager
+    def step(self, ctx: AttentionContext) -> Iterator[None]:
+        """Holds the step's prompt rows for the fused blocks: the native products multiply
+        them by the prompt-sized kernel (kernels/cpu_gemv.h, split_prompt_runs)."""
+        rows = ctx.prompt_rows
+        self._prompt_rows = rows.contiguous() if rows is not None and bool(rows.any()) else None
+        try:
+            yield
+        finally:
+            self._prompt_rows = None
+
+    def _prompt(self, s: torch.Tensor) -> torch.Tensor | None:
+        """The step's prompt-row flags when they describe these rows (a layer called on its own: None)."""
+        rows = self._prompt_rows
+        return rows if rows is not None and rows.shape[0] == s.shape[0] else None
 
     def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
         x = model.embed_tokens(input_ids)
@@ -242,7 +259,7 @@ class CpuBackend(TorchBackend):
         cos, sin = rotary or (None, None)
         return self.ops.attn_in(s, norm.gain(), norm.eps, w.linear(attn.q_proj), w.linear(attn.k_proj),
                                 w.linear(attn.v_proj), w.linear(attn.gate_proj), attn.num_heads, attn.num_kv_heads,
-                                attn.qk_scale, cos, sin, dtype == torch.bfloat16)
+                                attn.qk_scale, cos, sin, dtype == torch.bfloat16, self._prompt(s))
 
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -269,7 +286,7 @@ class CpuBackend(TorchBackend):
         attn = layer.self_attn
         alpha, beta = layer.post_attention_residual_gate.coefficients_cached()
         return self.ops.attn_out(s, o.contiguous(), g, self.weights.linear(attn.o_proj), attn.eps, alpha, beta,
-                                 layer.post_norm_eps)
+                                 layer.post_norm_eps, self._prompt(s))
 
     def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
@@ -278,7 +295,8 @@ class CpuBackend(TorchBackend):
         mlp, pre, post, w = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, self.weights
         alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
         return self.ops.ffn_dense(s, pre.gain(), pre.eps, w.linear(mlp.gate_proj), w.linear(mlp.up_proj),
-                                  w.linear(mlp.down_proj), post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16)
+                                  w.linear(mlp.down_proj), post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16,
+                                  self._prompt(s))
 
     def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
@@ -295,7 +313,7 @@ class CpuBackend(TorchBackend):
                                 router.top_k, router.output_multiplier, router.routed_scaling_factor,
                                 w.linear(mlp.pre_expert_proj), mlp.pre_expert_norm.gain(), *w.experts(experts),
                                 experts.post_expert_norm.gain(), w.linear(mlp.post_expert_proj),
-                                post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16)
+                                post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16, self._prompt(s))
 
     def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not _fused_dtype(dtype, s.shape[0]):

@@ -83,6 +83,17 @@ class StepInputs:
     sample_rows: list[int]  # rows whose logits sample a token
     scored_rows: list[tuple[int, int]]  # prompt_logprobs: (first row, rows)
     row_wise: list[int] = field(default_factory=list)  # sequences verifying drafts: attention row by row
+    prompt_rows: list[int] = field(default_factory=list)  # per sequence: its first rows that are prompt tokens
+
+
+def _prompt_mask(inputs: StepInputs, device: torch.device) -> torch.Tensor | None:
+    """[T] bool: the rows that are prompt tokens (each sequence's first `prompt_rows[i]` rows)."""
+    if not inputs.prompt_rows:
+        return None
+    mask = torch.zeros(inputs.query_start_loc[-1], dtype=torch.bool)
+    for first, n in zip(inputs.query_start_loc, inputs.prompt_rows):
+        mask[first:first + n] = True
+    return mask.to(device)
 
 
 def _relay(logits: torch.Tensor | None, shape: tuple[int, int], source: int, device: torch.device
@@ -219,6 +230,7 @@ class ModelRunner:
                 inputs.ids.extend(drafts)
                 inputs.row_wise.append(len(inputs.seq_lens))
             inputs.positions.extend(range(start, end))
+            inputs.prompt_rows.append(max(0, min(end, len(request.prompt_token_ids)) - start))
             qsl.append(qsl[-1] + n)
             inputs.seq_lens.append(end)
             for (slots, tables), table in zip(inputs.groups, req_tables):
@@ -252,7 +264,7 @@ class ModelRunner:
                                      block_tables=torch.tensor(padded, device=device)))
         ctx = AttentionContext(query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                                kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group,
-                               row_wise=inputs.row_wise)
+                               row_wise=inputs.row_wise, prompt_rows=_prompt_mask(inputs, device))
         ids, positions = torch.tensor(inputs.ids, device=device), torch.tensor(inputs.positions, device=device)
         if self.aux_layers:  # a proposer reads these streams (rank 0 only; no collective involved)
             hidden, self.last_aux = self.model(ids, positions, ctx, aux_layers=self.aux_layers)

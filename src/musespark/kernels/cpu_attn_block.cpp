@@ -22,9 +22,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
                                                    at::TensorList k_proj, at::TensorList v_proj, at::TensorList gate_proj,
                                                    int64_t num_heads, int64_t num_kv_heads, double qk_scale,
                                                    const c10::optional<Tensor>& cos,
-                                                   const c10::optional<Tensor>& sin, bool bf16) {
+                                                   const c10::optional<Tensor>& sin, bool bf16,
+                                                   const c10::optional<Tensor>& prompt_rows) {
   check_stream(s, "attn_in");
   const int64_t T = s.size(0), H = s.size(1);
+  const uint8_t* prompt = musespark_gemv::prompt_flags(prompt_rows, T, "attn_in");
   const Weight wq = weight_arg(q_proj, false, "attn_in: q_proj"), wk = weight_arg(k_proj, false, "attn_in: k_proj"),
                wv = weight_arg(v_proj, false, "attn_in: v_proj"), wg = weight_arg(gate_proj, false, "attn_in: gate_proj");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && wq.N % num_heads == 0,
@@ -48,8 +50,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
   // One row of `proj` is [q | k | v | g].
   const int64_t W = (2 * nH + 2 * nKV) * D, ok = nH * D, ov = ok + nKV * D, og = ov + nKV * D;
   float* proj = scratch(kProj, T * W);
-  run_jobs({wq.job(h, T, proj, W, bf16), wk.job(h, T, proj + ok, W, bf16), wv.job(h, T, proj + ov, W, bf16),
-            wg.job(h, T, proj + og, W, bf16)});
+  run_jobs({wq.job(h, T, proj, W, bf16, 0, prompt), wk.job(h, T, proj + ok, W, bf16, 0, prompt),
+            wv.job(h, T, proj + ov, W, bf16, 0, prompt), wg.job(h, T, proj + og, W, bf16, 0, prompt)});
   auto opts = s.options().dtype(bf16 ? at::kBFloat16 : at::kFloat);
   Tensor q = at::empty({T, nH, D}, opts), k = at::empty({T, nKV, D}, opts), v = at::empty({T, nKV, D}, opts),
          g = at::empty({T, nH, D}, opts);
@@ -85,9 +87,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
 //   x = bf16(rms(o_head) * sigmoid(g));  a = bf16(x Wo^T);  s' = alpha * s + beta * rms(a).
 // `eps` is the O-norm's (rms_norm_eps), `post_eps` the weightless post-attention norm's.
 Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorList o_proj, double eps,
-                const Tensor& alpha, const Tensor& beta, double post_eps) {
+                const Tensor& alpha, const Tensor& beta, double post_eps, const c10::optional<Tensor>& prompt_rows) {
   check_stream(s, "attn_out");
   const int64_t T = s.size(0), H = s.size(1);
+  const uint8_t* prompt = musespark_gemv::prompt_flags(prompt_rows, T, "attn_out");
   const bool bf16 = o.scalar_type() == at::kBFloat16;
   TORCH_CHECK(o.dim() == 3 && o.size(0) == T && (bf16 || o.scalar_type() == at::kFloat) && o.is_contiguous() &&
                   g.sizes() == o.sizes() && g.scalar_type() == o.scalar_type() && g.is_contiguous(),
@@ -117,7 +120,7 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
     gate(o.data_ptr<at::BFloat16>(), g.data_ptr<at::BFloat16>());
   else
     gate(o.data_ptr<float>(), g.data_ptr<float>());
-  run_jobs({wo.job(x, T, a, H, bf16)});
+  run_jobs({wo.job(x, T, a, H, bf16, 0, prompt)});
   round_all(a, T * H, bf16);
   return residual(s, a, nullptr, static_cast<float>(post_eps), alpha, beta, bf16);
 }
@@ -126,9 +129,10 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("attn_in(Tensor s, Tensor gain, float eps, Tensor[] wq, Tensor[] wk, Tensor[] wv, Tensor[] wg, int num_heads, "
-        "int num_kv_heads, float qk_scale, Tensor? cos, Tensor? sin, bool bf16=True) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("attn_out(Tensor s, Tensor o, Tensor g, Tensor[] wo, float eps, Tensor alpha, Tensor beta, float post_eps) "
-        "-> Tensor");
+        "int num_kv_heads, float qk_scale, Tensor? cos, Tensor? sin, bool bf16=True, Tensor? prompt_rows=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("attn_out(Tensor s, Tensor o, Tensor g, Tensor[] wo, float eps, Tensor alpha, Tensor beta, float post_eps, "
+        "Tensor? prompt_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {

@@ -54,8 +54,11 @@ struct Weight {
 
   bool nvfp4() const { return scales != nullptr; }
   // y[M, N] (row stride ldy) = x[M, K] @ W[e]^T; bf16: x holds bf16 values (a bf16 model).
-  Job job(const float* x, int64_t M, float* y, int64_t ldy, bool bf16, int64_t e = 0) const {
+  // `prompt`: per row of x, nonzero for a prompt row (cpu_gemv.h split_prompt_runs), or null.
+  Job job(const float* x, int64_t M, float* y, int64_t ldy, bool bf16, int64_t e = 0,
+          const uint8_t* prompt = nullptr) const {
     Job j{x, M, K, w + e * w_stride, !nvfp4() && !fp32, N, y, ldy, bf16};
+    j.prompt = prompt;
     if (nvfp4()) {
       j.scales = scales + e * s_stride;
       j.globals = globals + e * G;

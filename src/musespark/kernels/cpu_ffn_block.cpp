@@ -33,12 +33,13 @@ void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
 //   s' = alpha * s + beta * rms(b * post_gain)   (the input-scaled post-norm, post_eps).
 Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::TensorList gate_proj,
                  at::TensorList up_proj, at::TensorList down_proj, const Tensor& post_gain, double post_eps,
-                 const Tensor& alpha, const Tensor& beta, bool bf16) {
+                 const Tensor& alpha, const Tensor& beta, bool bf16, const c10::optional<Tensor>& prompt_rows) {
   check_stream(s, "ffn_dense");
   const Weight w_gate = weight_arg(gate_proj, false, "ffn_dense: gate_proj"),
                w_up = weight_arg(up_proj, false, "ffn_dense: up_proj"),
                w_down = weight_arg(down_proj, false, "ffn_dense: down_proj");
   const int64_t T = s.size(0), H = s.size(1), I = w_gate.N;
+  const uint8_t* prompt = musespark_gemv::prompt_flags(prompt_rows, T, "ffn_dense");
   check_vector(pre_gain, H, "ffn_dense: pre_gain");
   check_vector(post_gain, H, "ffn_dense: post_gain");
   check_shape(w_gate, I, H, "ffn_dense: gate_proj");
@@ -48,10 +49,10 @@ Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::Tensor
   check_residual(s, alpha, beta);
   const float* f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps), bf16);
   float *gu = scratch(kGateUp, T * 2 * I), *act = scratch(kAct, T * I), *b = scratch(kOut, T * H);
-  run_jobs({w_gate.job(f, T, gu, 2 * I, bf16), w_up.job(f, T, gu + I, 2 * I, bf16)});
+  run_jobs({w_gate.job(f, T, gu, 2 * I, bf16, 0, prompt), w_up.job(f, T, gu + I, 2 * I, bf16, 0, prompt)});
   round_all(gu, T * 2 * I, bf16);
   swiglu(gu, T, I, act, bf16);
-  run_jobs({w_down.job(act, T, b, H, bf16)});
+  run_jobs({w_down.job(act, T, b, H, bf16, 0, prompt)});
   round_all(b, T * H, bf16);
   return residual(s, b, post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta, bf16);
 }
@@ -92,13 +93,15 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
                int64_t top_k, double output_multiplier, double routed_scaling, at::TensorList pre_expert_proj,
                const Tensor& expert_in_gain, at::TensorList gate_up_proj, at::TensorList down_proj,
                const Tensor& expert_out_gain, at::TensorList post_expert_proj, const Tensor& post_gain,
-               double post_eps, const Tensor& alpha, const Tensor& beta, bool bf16) {
+               double post_eps, const Tensor& alpha, const Tensor& beta, bool bf16,
+               const c10::optional<Tensor>& prompt_rows) {
   check_stream(s, "ffn_moe");
   const Weight w_pre = weight_arg(pre_expert_proj, false, "ffn_moe: pre_expert_proj"),
                w_post = weight_arg(post_expert_proj, false, "ffn_moe: post_expert_proj"),
                gate_up = weight_arg(gate_up_proj, true, "ffn_moe: gate_up"),
                down = weight_arg(down_proj, true, "ffn_moe: down");
   const int64_t T = s.size(0), H = s.size(1), E = router.size(0), Hm = w_pre.N;
+  const uint8_t* prompt = musespark_gemv::prompt_flags(prompt_rows, T, "ffn_moe");
   TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.is_contiguous() &&
                   router.size(1) == H,
               "ffn_moe: router must be a contiguous float32 [E, ", H, "]");
@@ -121,7 +124,7 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
 
   // Router logits and the pooler in one region.
   float *logits = scratch(kLogits, T * E), *u = scratch(kPooled, T * Hm);
-  run_jobs({musespark_gemv::job(f, T, H, router, logits, E, bf16), w_pre.job(f, T, u, Hm, bf16)});
+  run_jobs({musespark_gemv::job(f, T, H, router, logits, E, bf16), w_pre.job(f, T, u, Hm, bf16, 0, prompt)});
   const int64_t A = T * top_k;  // assignments, (t, j) order, j in increasing expert id
   std::vector<int64_t> ids(A);
   std::vector<float> weights(A);
@@ -148,12 +151,18 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
   at::parallel_for(0, A, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) std::copy_n(u + (order[r] / top_k) * Hm, Hm, xs + r * Hm);
   });
+  std::vector<uint8_t> prompt_of;  // the prompt flag of each gathered row (its token's)
+  if (prompt != nullptr) {
+    prompt_of.resize(A);
+    for (int64_t r = 0; r < A; ++r) prompt_of[r] = prompt[order[r] / top_k];
+  }
   std::vector<Job> up_jobs, down_jobs;
   for (int64_t x = 0; x < E; ++x) {
     const int64_t r0 = start[x], n = start[x + 1] - r0;
     if (n == 0) continue;
-    up_jobs.push_back(gate_up.job(xs + r0 * Hm, n, gu + r0 * 2 * I, 2 * I, bf16, x));
-    down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x));
+    const uint8_t* flags = prompt != nullptr ? prompt_of.data() + r0 : nullptr;
+    up_jobs.push_back(gate_up.job(xs + r0 * Hm, n, gu + r0 * 2 * I, 2 * I, bf16, x, flags));
+    down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x, flags));
   }
   run_jobs(up_jobs);
   round_all(gu, A * 2 * I, bf16);
@@ -178,7 +187,7 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     }
     round_all(mr, Hm, bf16);
   });
-  run_jobs({w_post.job(m, T, b, H, bf16)});
+  run_jobs({w_post.job(m, T, b, H, bf16, 0, prompt)});
   round_all(b, T * H, bf16);
   return residual(s, b, post_gain.data_ptr<float>(), pe, alpha, beta, bf16);
 }
@@ -187,11 +196,12 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("ffn_dense(Tensor s, Tensor pre_gain, float eps, Tensor[] w_gate, Tensor[] w_up, Tensor[] w_down, "
-        "Tensor post_gain, float post_eps, Tensor alpha, Tensor beta, bool bf16=True) -> Tensor");
+        "Tensor post_gain, float post_eps, Tensor alpha, Tensor beta, bool bf16=True, Tensor? prompt_rows=None) "
+        "-> Tensor");
   m.def("ffn_moe(Tensor s, Tensor pre_gain, float eps, Tensor router, Tensor bias, int top_k, "
         "float output_multiplier, float routed_scaling, Tensor[] w_pre, Tensor expert_in_gain, Tensor[] gate_up, "
         "Tensor[] down, Tensor expert_out_gain, Tensor[] w_post, Tensor post_gain, float post_eps, Tensor alpha, "
-        "Tensor beta, bool bf16=True) -> Tensor");
+        "Tensor beta, bool bf16=True, Tensor? prompt_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {

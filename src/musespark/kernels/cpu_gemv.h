@@ -168,7 +168,11 @@ struct Job {
   const uint8_t* scales = nullptr;
   const float* globals = nullptr;
   int64_t G = 1;
-  int64_t tiles() const { return (N + kNR - 1) / kNR; }
+  // Per row of x: nonzero for a prompt row (`split_prompt_runs`); null: none is.
+  const uint8_t* prompt = nullptr;
+  bool panels = false;  // every row is a prompt row, multiplied by bf16_panels
+  int64_t tile_rows() const { return panels ? musespark_avx512::kPanelRows : kNR; }
+  int64_t tiles() const { return (N + tile_rows() - 1) / tile_rows(); }
   bool nvfp4() const { return scales != nullptr; }
   bool avx512() const { return !nvfp4() && w_bf16 && x_bf16 && musespark_isa::avx512_bf16(); }
 };
@@ -235,6 +239,42 @@ inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jo
   return out;
 }
 
+// Batch invariance with two bf16 kernels (AVX-512-BF16): a prompt row (a token inside its
+// request's prompt: the caller says which) is always multiplied by bf16_panels, the
+// prompt-sized kernel; every other row (decode, speculative verification) by bf16_dots,
+// which streams the weight at one row. A row's kernel depends on the row alone, never on
+// its batch, so neither does its result. A job's rows split into runs of one kind, one job
+// per run; jobs on other paths drop the flags.
+inline std::vector<Job> split_prompt_runs(const std::vector<Job>& jobs) {
+  std::vector<Job> out;
+  out.reserve(jobs.size());
+  for (const Job& b : jobs) {
+    Job c = b;
+    c.prompt = nullptr;
+    if (!b.prompt || !b.avx512()) {
+      out.push_back(c);
+      continue;
+    }
+    for (int64_t r0 = 0, r1 = 0; r0 < b.M; r0 = r1) {
+      const bool kind = b.prompt[r0] != 0;
+      for (r1 = r0 + 1; r1 < b.M && (b.prompt[r1] != 0) == kind;) ++r1;
+      c.x = b.x + r0 * b.K;
+      c.y = b.y + r0 * b.ldy;
+      c.M = r1 - r0;
+      c.panels = kind;
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
+// The calling thread's packing scratch for bf16_panels (kPanelWords, 64-byte aligned).
+inline uint32_t* panel_scratch() {
+  thread_local std::vector<uint32_t> buf(musespark_avx512::kPanelWords + 16);
+  const auto addr = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<uint32_t*>((addr + 63) / 64 * 64);
+}
+
 // Runs several products in one parallel region (one thread wake-up, one stream of weight
 // tiles split across threads: each thread reads its own contiguous slice once).
 // Without batch invariance (cpu_isa.h), bf16 products of at least this many rows go to
@@ -256,15 +296,16 @@ inline void onednn_job(const Job& b, std::vector<uint16_t>& xb) {
 // rows of x (jobs of one call differ in M: the experts of a MoE). Where a tile runs never
 // changes what it computes.
 constexpr int64_t kTileFixedRows = 8;
-constexpr int64_t kMinParallelTiles = 16;  // fewer run on the calling thread
+constexpr int64_t kMinParallelRows = 16 * kNR;  // products of fewer weight rows run on the calling thread
 inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std::vector<int64_t>& first, int64_t parts) {
   double total = 0;
   for (size_t j = 0; j < jobs.size(); ++j)
-    total += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M);
+    total += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M) *
+             static_cast<double>(jobs[j].tile_rows());
   std::vector<int64_t> bounds{0};
   double done = 0;
   for (size_t j = 0; j < jobs.size() && static_cast<int64_t>(bounds.size()) < parts; ++j) {
-    const double per = static_cast<double>(jobs[j].K) * (kTileFixedRows + jobs[j].M);
+    const double per = static_cast<double>(jobs[j].K) * (kTileFixedRows + jobs[j].M) * jobs[j].tile_rows();
     for (int64_t t = first[j]; t < first[j + 1] && static_cast<int64_t>(bounds.size()) < parts; ++t) {
       done += per;
       if (done >= total * static_cast<double>(bounds.size()) / static_cast<double>(parts)) bounds.push_back(t + 1);
@@ -274,7 +315,8 @@ inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std:
   return bounds;
 }
 
-inline void run_jobs(const std::vector<Job>& all) {
+inline void run_jobs(const std::vector<Job>& given) {
+  const std::vector<Job> all = split_prompt_runs(given);
   std::vector<int> which;
   auto xb = bf16_inputs(all, which);
   // Prompt-sized bf16 products by oneDNN first (each at::mm uses every thread), when allowed.
@@ -287,10 +329,14 @@ inline void run_jobs(const std::vector<Job>& all) {
         which[j] = -1;
       }
   std::vector<int64_t> first(jobs.size() + 1, 0);  // first tile of each job
-  for (size_t j = 0; j < jobs.size(); ++j) first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
+  int64_t weight_rows = 0;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
+    weight_rows += jobs[j].M > 0 ? jobs[j].N : 0;
+  }
   const Nvfp4Inputs q = nvfp4_inputs(jobs);
   const std::vector<int64_t> bounds =
-      split_tiles(jobs, first, first.back() > kMinParallelTiles ? at::get_num_threads() : 1);
+      split_tiles(jobs, first, weight_rows > kMinParallelRows ? at::get_num_threads() : 1);
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
     const int64_t t0 = bounds[p0], t1 = bounds[p1];
     if (t0 >= t1) return;
@@ -298,12 +344,15 @@ inline void run_jobs(const std::vector<Job>& all) {
     for (int64_t t = t0; t < t1; ++t) {
       while (t >= first[j + 1]) ++j;
       const Job& b = jobs[j];
-      const int64_t n0 = (t - first[j]) * kNR;
+      const int64_t n0 = (t - first[j]) * b.tile_rows();
       if (which[j] >= 0 || b.nvfp4()) {  // this job's tiles in [t, t1) in one call
         const int64_t t_end = std::min(t1, first[j + 1]);
-        const int64_t n1 = std::min(b.N, (t_end - first[j]) * kNR);
+        const int64_t n1 = std::min(b.N, (t_end - first[j]) * b.tile_rows());
         if (b.nvfp4())
           nvfp4_rows(b, q, j, n0, n1);
+        else if (b.panels)
+          musespark_avx512::bf16_panels(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1,
+                                        b.y, b.ldy, panel_scratch());
         else  // bf16_dots chunks x by itself
           musespark_avx512::bf16_dots(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1,
                                       b.y, b.ldy);
@@ -318,13 +367,28 @@ inline void run_jobs(const std::vector<Job>& all) {
   });
 }
 
+// The ops' optional `prompt_rows` argument: bool or uint8 [T], true for a row that is a
+// token of its request's prompt (split_prompt_runs). Null when absent.
+inline const uint8_t* prompt_flags(const c10::optional<at::Tensor>& rows, int64_t T, const char* op) {
+  if (!rows.has_value() || !rows->defined()) return nullptr;
+  const at::Tensor& r = *rows;
+  TORCH_CHECK(r.dim() == 1 && r.size(0) == T && r.is_contiguous() &&
+                  (r.scalar_type() == at::kBool || r.scalar_type() == at::kByte),
+              op, ": prompt_rows must be a contiguous bool or uint8 [", T, "] (one flag per row), got ",
+              r.scalar_type(), " ", r.sizes());
+  return static_cast<const uint8_t*>(r.data_ptr());
+}
+
 // x holds bf16 values unless x_bf16 is false (see Job).
 inline Job job(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t ldy, bool x_bf16 = true) {
   return Job{x, M, K, w.data_ptr(), w.scalar_type() == at::kBFloat16, w.size(0), y, ldy, x_bf16};
 }
 
-inline void run(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, bool x_bf16) {
-  run_jobs({job(x, M, K, w, y, w.size(0), x_bf16)});
+inline void run(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, bool x_bf16,
+                const uint8_t* prompt = nullptr) {
+  Job b = job(x, M, K, w, y, w.size(0), x_bf16);
+  b.prompt = prompt;
+  run_jobs({b});
 }
 
 }  // namespace musespark_gemv

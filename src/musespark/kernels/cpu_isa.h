@@ -38,6 +38,18 @@ namespace musespark_avx512 {
 void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                int64_t ldy);
 
+// The same product for prompt rows (cpu_gemv.h: which rows take it): panels of kPanelRows
+// weight rows are packed on the fly into `pk` (kPanelWords uint32 of the calling thread's
+// scratch, 64-byte aligned), kPanelK k at a time, and multiplied by broadcast x pairs.
+// Each (m, n) is one fp32 lane summing the k pairs in order from +0, vdpbf16ps per pair
+// (each bf16 product exact): the same whatever M, n0, n1. A different order from
+// bf16_dots, so a row must always take the same one of the two. K % 8 == 0.
+constexpr int64_t kPanelRows = 64;
+constexpr int64_t kPanelK = 1024;
+constexpr int64_t kPanelWords = kPanelK / 2 * kPanelRows;
+void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy, uint32_t* pk);
+
 // NVFP4 weight-only rows (cpu_nvfp4.cpp states the contract): y[m * ldy + n] for n in [n0, n1)
 // from x permuted to the decode order (per 16-block: 8 even then 8 odd elements), codes
 // [N, K/2], scale bytes [N, K/16], and per global scale g a table tables[g] of 256 x 16

@@ -64,7 +64,8 @@ bool set_batch_invariant(bool on) {
 }
 
 // x @ w^T from fp32 accumulators: [M, N] fp32, whatever x's dtype (bf16 x is widened first).
-at::Tensor products_fp32(const char* op, const at::Tensor& x, const at::Tensor& w) {
+at::Tensor products_fp32(const char* op, const at::Tensor& x, const at::Tensor& w,
+                         const c10::optional<at::Tensor>& prompt_rows = c10::nullopt) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x [M, K] and w [N, K] must be 2-D");
   TORCH_CHECK(x.size(1) == w.size(1), op, ": x has K=", x.size(1), ", w has K=", w.size(1));
   TORCH_CHECK(x.size(1) % 8 == 0, op, ": K must be a multiple of 8, got ", x.size(1));
@@ -77,12 +78,13 @@ at::Tensor products_fp32(const char* op, const at::Tensor& x, const at::Tensor& 
   const auto wc = w.contiguous();
   const int64_t M = xf.size(0), K = xf.size(1), N = wc.size(0);
   auto y = at::empty({M, N}, xf.options());
-  if (M > 0 && N > 0) musespark_gemv::run(xf.data_ptr<float>(), M, K, wc, y.data_ptr<float>(), /*x_bf16=*/bf16);
+  const uint8_t* prompt = musespark_gemv::prompt_flags(prompt_rows, M, op);
+  if (M > 0 && N > 0) musespark_gemv::run(xf.data_ptr<float>(), M, K, wc, y.data_ptr<float>(), /*x_bf16=*/bf16, prompt);
   return y;
 }
 
-at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
-  const at::Tensor y = products_fp32("linear_small_m", x, w);
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& prompt_rows) {
+  const at::Tensor y = products_fp32("linear_small_m", x, w, prompt_rows);
   return x.scalar_type() == at::kBFloat16 ? y.to(at::kBFloat16) : y;  // rounded once, to nearest even
 }
 
@@ -114,7 +116,7 @@ at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double mu
 }  // namespace
 
 TORCH_LIBRARY(musespark_cpu, m) {
-  m.def("linear_small_m(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_small_m(Tensor x, Tensor w, Tensor? prompt_rows=None) -> Tensor");
   m.def("softcapped_logits(Tensor x, Tensor w, float multiplier, float cap) -> Tensor");
   m.def("set_isa(str path) -> str", &set_isa);  // no tensor arguments: catch-all kernels
   m.def("isa_path() -> str", &isa_path);

@@ -48,6 +48,10 @@ class AttentionContext:
     # Sequences whose queries are computed one row at a time as decode rows (speculative
     # verification: each row then gets exactly the numbers one-at-a-time decoding gives).
     row_wise: list[int] = field(default_factory=list)
+    # [T] bool: the rows that are tokens of their request's prompt (None: none is). A backend
+    # may multiply them by a prompt-sized kernel; whether a row is one depends on the row
+    # alone, never on its batch (kernels/cpu_gemv.h, split_prompt_runs).
+    prompt_rows: torch.Tensor | None = None
     _seq_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def seq_lens_tensor(self, device: torch.device) -> torch.Tensor:
@@ -66,7 +70,8 @@ class AttentionContext:
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
-        return cls(query_start_loc=starts, seq_lens=list(lengths))
+        return cls(query_start_loc=starts, seq_lens=list(lengths),
+                   prompt_rows=torch.ones(starts[-1], dtype=torch.bool))
 
 
 def _attend(

@@ -211,10 +211,11 @@ class MuseSparkForCausalLM(nn.Module):
         rope: Rope = {}
         start, end = self.layer_range
         aux: list[torch.Tensor] = []
-        for i in range(start, end):
-            s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
-            if i in aux_layers:
-                aux.append(s.to(torch.float32, copy=True))  # a copy: later layers may update s in place
+        with backend.step(ctx):
+            for i in range(start, end):
+                s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
+                if i in aux_layers:
+                    aux.append(s.to(torch.float32, copy=True))  # a copy: later layers may update s in place
         if not par.is_last_stage:
             par.send_next(s)
             return s  # not final: only the last stage normalizes and computes logits
