@@ -59,6 +59,54 @@ def test_a_row_never_depends_on_its_batch(kernel_path):
 
 
 @needs_ops
+@pytest.mark.parametrize("M,N,K", [(1, 1, 8), (3, 70, 40), (6, 64, 64), (13, 129, 1032), (70, 200, 2056)])
+def test_prompt_rows_are_as_accurate_as_torch_and_never_depend_on_their_batch(M, N, K, kernel_path):
+    """Prompt rows (`prompt_rows` true) take the panel kernel on the AVX-512 path
+    (kernels/cpu_gemv.h split_prompt_runs): as accurate as torch's product, each row the bits
+    it gets alone or next to other rows of either kind, whatever the run boundaries (K over
+    1024: several packed chunks; N over 64: several panels, a partial last one)."""
+    g = torch.Generator().manual_seed(M * 7 + N + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    exact = x.double() @ w.double().T
+    prompt = torch.ones(M, dtype=torch.bool)
+    ours = ops.linear_small_m(x, w, prompt)
+    err_ours = (ours.double() - exact).abs().max()
+    err_torch = (F.linear(x, w).double() - exact).abs().max()
+    assert err_ours <= 2 * err_torch + 1e-6 * exact.abs().max(), (float(err_ours), float(err_torch))
+    alone = torch.cat([ops.linear_small_m(x[m:m + 1], w, prompt[:1]) for m in range(M)])
+    assert torch.equal(ours, alone), kernel_path
+    decode = ops.linear_small_m(x, w)
+    mixed = torch.rand(M, generator=g) < 0.5
+    assert torch.equal(ops.linear_small_m(x, w, mixed), torch.where(mixed[:, None], ours, decode))
+    assert torch.equal(ops.linear_small_m(x, w, torch.zeros(M, dtype=torch.uint8)), decode)
+
+
+@needs_ops
+def test_prompt_rows_take_their_own_kernel_on_the_avx512_path(kernel_path):
+    """The flag reaches the kernel: on the AVX-512 path a prompt row sums in another order
+    than a decode row (some of 4096 bf16 outputs differ); on the AVX2 path it changes nothing."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(256, 2048, generator=g).bfloat16()
+    x = torch.randn(16, 2048, generator=g).bfloat16()
+    prompt = ops.linear_small_m(x, w, torch.ones(16, dtype=torch.bool))
+    decode = ops.linear_small_m(x, w)
+    if kernel_path == "avx512_bf16":
+        assert not torch.equal(prompt, decode)
+    else:
+        assert torch.equal(prompt, decode)
+
+
+@needs_ops
+def test_prompt_rows_argument_is_checked():
+    x, w = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="prompt_rows must be a contiguous bool or uint8 \\[4\\]"):
+        ops.linear_small_m(x, w, torch.ones(3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="prompt_rows"):
+        ops.linear_small_m(x, w, torch.ones(4, dtype=torch.float32))
+
+
+@needs_ops
 def test_without_batch_invariance_prompt_sized_products_use_onednn(kernel_path):
     """MUSESPARK_BATCH_INVARIANT=0 (here: the op) sends bf16 products of >= 64 rows to
     oneDNN on AVX-512-BF16 CPUs: the result is then torch's own bf16 product, bit for bit;
@@ -320,18 +368,26 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
     g = torch.Generator().manual_seed(T)
     s = torch.randn(T, model.config.hidden_size, generator=g) * 3
     positions = torch.arange(T)
-    kinds = set()
+    kinds, moved = set(), False
     with torch.inference_mode():
         for layer in model.layers:
             ctx = AttentionContext.for_prompts([T])
             want = layer(s, positions, ctx, {}, reference, torch.bfloat16)
-            got = layer(s, positions, AttentionContext.for_prompts([T]), {}, native, torch.bfloat16)
-            assert got.dtype == torch.float32 and got.shape == want.shape
-            err = (got - want).abs()
-            assert err.max() <= 2e-2 * want.abs().max(), f"layer {layer.self_attn.layer}"
-            assert err.mean() <= 1e-3 * want.abs().mean(), f"layer {layer.self_attn.layer}"
+            # Called on its own the layer's rows are decode rows; inside the model's step
+            # (`Backend.step`) the context's prompt rows reach the products.
+            decode = layer(s, positions, AttentionContext.for_prompts([T]), {}, native, torch.bfloat16)
+            with native.step(ctx):
+                prompt = layer(s, positions, ctx, {}, native, torch.bfloat16)
+            for got in (decode, prompt):
+                assert got.dtype == torch.float32 and got.shape == want.shape
+                err = (got - want).abs()
+                assert err.max() <= 2e-2 * want.abs().max(), f"layer {layer.self_attn.layer}"
+                assert err.mean() <= 1e-3 * want.abs().mean(), f"layer {layer.self_attn.layer}"
+            moved |= not torch.equal(prompt, decode)
             kinds.add((type(layer.mlp).__name__, layer.self_attn.window, layer.self_attn.rope_theta is None))
     assert len(kinds) >= 3  # dense and sparse; sliding and full; with and without rotary
+    if T > 1:  # the prompt kernel sums in another order (AVX-512 path only): some bf16 value moves
+        assert moved == (kernel_path == "avx512_bf16"), (moved, kernel_path)
 
 
 @needs_ops

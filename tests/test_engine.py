@@ -131,3 +131,37 @@ def test_bf16_tokens_do_not_depend_on_the_batch(checkpoint, prompts):
         assert b.token_ids == a.token_ids, f"prompt {i}"
         assert [{t: lp.logprob for t, lp in d.items()} for d in b.logprobs] == \
             [{t: lp.logprob for t, lp in d.items()} for d in a.logprobs], f"prompt {i}"
+
+
+def test_prompt_rows_are_exactly_the_prompt_tokens_of_each_step(checkpoint, prompts):
+    """ctx.prompt_rows (the rows a backend may multiply by its prompt kernel) flags a row iff
+    its position is inside its request's prompt: through chunked prefill (a prompt split
+    over steps, next to decode rows) and preemption (a recomputed request's generated
+    tokens are not prompt rows), so a row's kind never depends on the batch."""
+    from musespark.engine import model_runner
+
+    llm = LLM(model=checkpoint, dtype="bfloat16", max_model_len=128, block_size=4, enable_prefix_caching=False,
+              kv_cache_memory=2 * 4 * 40 * 4 * 2 * 16 * 2, max_num_batched_tokens=24)
+    runner = llm.engine.core.runner
+    original = runner._inputs
+    checked = {"prompt": 0, "generated": 0}
+
+    def spy(batch):
+        inputs, *rest = original(batch)
+        mask = model_runner._prompt_mask(inputs, torch.device("cpu"))
+        qsl = inputs.query_start_loc
+        for i, request in enumerate(batch.requests):
+            rows = range(qsl[i], qsl[i + 1])
+            want = [inputs.positions[r] < len(request.prompt_token_ids) for r in rows]
+            assert mask[qsl[i]:qsl[i + 1]].tolist() == want, (request.request_id, inputs.positions[qsl[i]:qsl[i + 1]])
+            checked["prompt"] += sum(want)
+            checked["generated"] += len(want) - sum(want)
+        return (inputs, *rest)
+
+    runner._inputs = spy
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params)
+    assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
+    assert checked["prompt"] >= sum(len(p) for p in prompts[:8]) and checked["generated"] > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
+
