@@ -106,6 +106,67 @@ def test_prompt_rows_argument_is_checked():
         ops.linear_small_m(x, w, torch.ones(4, dtype=torch.float32))
 
 
+def test_pack_panels_lays_out_each_weight_pair_where_the_kernel_reads_it():
+    """Word [p, q, c] of the panels holds the bf16 bits of w[64p + c, 2q] (low half) and
+    w[64p + c, 2q + 1] (high half); rows past N are zero. Checked element by element."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 6, generator=g).bfloat16()
+    panels = cpu.pack_panels(w)
+    assert panels.dtype == torch.int32 and panels.shape == (2, 3, 64) and panels.is_contiguous()
+    bits = w.view(torch.int16).to(torch.int64) & 0xFFFF
+    for p in range(2):
+        for q in range(3):
+            for c in range(64):
+                n = 64 * p + c
+                want = int(bits[n, 2 * q]) | int(bits[n, 2 * q + 1]) << 16 if n < 70 else 0
+                assert int(panels[p, q, c]) & 0xFFFFFFFF == want, (p, q, c)
+    with pytest.raises(ValueError, match="bfloat16 \\[N, K\\] weight with K even"):
+        cpu.pack_panels(w.float())
+    with pytest.raises(ValueError, match="K even"):
+        cpu.pack_panels(torch.zeros(4, 5, dtype=torch.bfloat16))
+
+
+@needs_ops
+@pytest.mark.parametrize("M,N,K", [(1, 1, 8), (3, 70, 40), (6, 64, 64), (13, 129, 1032), (70, 200, 2056)])
+def test_packed_panels_give_every_row_the_panel_kernels_bits(M, N, K, kernel_path):
+    """A weight with its panels (`panels=pack_panels(w)`): on the AVX-512 path every row,
+    prompt or not, takes the panel kernel on the packed copy: the bits a prompt row gets
+    from the weight packed on the fly, alone or in any batch; on the AVX2 path the panels are
+    ignored. Shapes: a partial last panel, several K chunks, several x tiles."""
+    g = torch.Generator().manual_seed(M * 5 + N + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    panels = cpu.pack_panels(w)
+    got = ops.linear_small_m(x, w, None, panels)
+    prompt = ops.linear_small_m(x, w, torch.ones(M, dtype=torch.bool))
+    decode = ops.linear_small_m(x, w)
+    if kernel_path == "avx512_bf16":
+        assert torch.equal(got, prompt)
+    else:
+        assert torch.equal(got, decode)
+    mixed = torch.rand(M, generator=g) < 0.5  # flags change nothing on a packed weight
+    assert torch.equal(ops.linear_small_m(x, w, mixed, panels), got)
+    alone = torch.cat([ops.linear_small_m(x[m:m + 1], w, None, panels) for m in range(M)])
+    assert torch.equal(alone, got)
+    exact = x.double() @ w.double().T
+    err_ours = (got.double() - exact).abs().max()
+    err_torch = (F.linear(x, w).double() - exact).abs().max()
+    assert err_ours <= 2 * err_torch + 1e-6 * exact.abs().max(), (float(err_ours), float(err_torch))
+    head = ops.softcapped_logits(x, w, 0.7, 5.0, panels)
+    assert torch.equal(head, 5.0 * torch.tanh(got.float() * 0.7 / 5.0))
+
+
+@needs_ops
+def test_panels_argument_is_checked():
+    x, w = torch.randn(4, 16).bfloat16(), torch.randn(70, 16).bfloat16()
+    good = cpu.pack_panels(w)
+    for bad in (good.float(), good[:1], good.transpose(1, 2), good.view(2, 4, 128)):
+        with pytest.raises(RuntimeError, match="linear_small_m: panels must be the contiguous int32 \\[2, 8, 64\\]"):
+            ops.linear_small_m(x, w, None, bad)
+    with pytest.raises(RuntimeError, match="panels go with a bfloat16 \\[N, K\\] weight"):
+        ops.linear_small_m(x.float(), w.float(), None, good)
+
+
 @needs_ops
 def test_without_batch_invariance_prompt_sized_products_use_onednn(kernel_path):
     """MUSESPARK_BATCH_INVARIANT=0 (here: the op) sends bf16 products of >= 64 rows to
@@ -363,7 +424,7 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
     sigmoid differ at rounding level, which can move one bf16 rounding by an ulp."""
     from musespark.layers.attention import AttentionContext
 
-    model = _random_model(seed=T)
+    model = _random_model(seed=T, moe_hidden_size=256, moe_intermediate_size=1024)
     reference, native = _backends(model)
     g = torch.Generator().manual_seed(T)
     s = torch.randn(T, model.config.hidden_size, generator=g) * 3
@@ -386,8 +447,30 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
             moved |= not torch.equal(prompt, decode)
             kinds.add((type(layer.mlp).__name__, layer.self_attn.window, layer.self_attn.rope_theta is None))
     assert len(kinds) >= 3  # dense and sparse; sliding and full; with and without rotary
-    if T > 1:  # the prompt kernel sums in another order (AVX-512 path only): some bf16 value moves
+    # On the AVX-512 path the experts' prompt rows take the panel kernel, which sums in
+    # another order (the dense linears are packed: every row takes it): some bf16 value moves.
+    if T > 1:
         assert moved == (kernel_path == "avx512_bf16"), (moved, kernel_path)
+
+
+@needs_ops
+def test_the_cpu_backend_packs_dense_bf16_weights_for_the_avx512_path_only(kernel_path):
+    """Dense bf16 linears and the head get their panels on the AVX-512 path (as many bytes
+    again); expert weights never (they would double the model); fp32 weights and the AVX2
+    path keep [weight] alone."""
+    model = _random_model(seed=3)
+    _, native = _backends(model)
+    attn, moe = model.layers[0].self_attn, model.layers[1].mlp
+    for linear in (attn.q_proj, attn.o_proj, moe.pre_expert_proj, model.lm_head):
+        args = native.weights.linear(linear)
+        assert args[0] is linear.weight
+        if kernel_path == "avx512_bf16":
+            assert len(args) == 2 and torch.equal(args[1], cpu.pack_panels(linear.weight))
+        else:
+            assert len(args) == 1
+    assert all(len(part) == 1 for part in native.weights.experts(moe.experts))
+    _, native = _backends(model.float())
+    assert len(native.weights.linear(attn.q_proj)) == 1
 
 
 @needs_ops
@@ -439,7 +522,8 @@ def test_fused_blocks_name_the_bad_argument():
     cases = {  # a bad k_proj argument -> what the message must say
         "k_proj must be \\[": [torch.zeros(rows, 8, dtype=torch.bfloat16)],
         "k_proj must be bfloat16 or float32": [attn.k_proj.weight.half()],
-        "k_proj: expected \\[bf16 weight\\]": [attn.k_proj.weight, attn.k_proj.weight],
+        "k_proj: expected \\[bf16 weight\\]": [attn.k_proj.weight] * 4,
+        "k_proj: panels must be the contiguous int32 \\[1, 24, 64\\]": [attn.k_proj.weight, attn.k_proj.weight],
         "k_proj: NVFP4 codes must be uint8": [attn.k_proj.weight, torch.zeros(rows, 16, dtype=torch.uint8),
                                               torch.ones(1)],
         "k_proj: NVFP4 block scales": [torch.zeros(rows, 128, dtype=torch.uint8), torch.zeros(rows, 3, dtype=torch.uint8),

@@ -75,14 +75,25 @@ class _WeightArgs:
     """The fused ops' weight arguments (kernels/cpu_block.h `weight_arg`) of each module, built
     once and reused while the module's tensors stay where they are (a decode step passes ~60
     of them; rebuilding the NVFP4 views each time costs more than some products). A module
-    whose tensors moved (`.to()`, a reload) gets new arguments."""
+    whose tensors moved (`.to()`, a reload) gets new arguments.
 
-    def __init__(self) -> None:
-        self._cache: dict[int, tuple[tuple[int, ...], Any]] = {}
+    On the AVX-512-BF16 path a dense bf16 linear's argument is [weight, panels]: the weight
+    packed once more (`cpu.pack_panels`, as many bytes again) for the panel kernel, which
+    then multiplies every row of it, prompt or decode, 1.1-2x faster than the dot-product
+    kernel (benchmarks/RESULTS.md). Expert weights are not packed (they would double the
+    model). `panels` follows the kernels' path (`refresh`, once per step)."""
+
+    def __init__(self, ops: Any) -> None:
+        self.ops = ops
+        self._cache: dict[int, tuple[tuple[Any, ...], Any]] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.panels = self.ops.isa_path() == "avx512_bf16"
 
     def _get(self, module: nn.Module, names: tuple[str, ...], build: Any) -> Any:
         tensors = _sources(module, names)
-        key = tuple(t.data_ptr() for t in tensors)
+        key = (self.panels, *(t.data_ptr() for t in tensors))
         hit = self._cache.get(id(module))
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -90,10 +101,15 @@ class _WeightArgs:
         self._cache[id(module)] = (key, args)
         return args
 
+    def _dense(self, w: torch.Tensor) -> list[torch.Tensor]:
+        if self.panels and w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] % 2 == 0:
+            return [w, cpu.pack_panels(w)]
+        return [w]
+
     def linear(self, linear: nn.Module) -> list[torch.Tensor]:
         if isinstance(linear.format, Nvfp4Linear):
             return self._get(linear, _NVFP4_LINEAR, lambda w, s, g: [w, s.view(torch.uint8), g.reshape(1)])
-        return self._get(linear, _LINEAR, lambda w: [w])
+        return self._get(linear, _LINEAR, self._dense)
 
     def experts(self, experts: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """gate|up and down (NVFP4: gate|up has two global scales per expert, down one)."""
@@ -225,15 +241,17 @@ class CpuBackend(TorchBackend):
         # The head kernel needs a dense head, whatever the other modules' formats.
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
-        self.weights = _WeightArgs()
+        self.weights = _WeightArgs(ops)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
 
     @contextmanager
     def step(self, ctx: AttentionContext) -> Iterator[None]:
         """Holds the step's prompt rows for the fused blocks: the native products multiply
-        them by the prompt-sized kernel (kernels/cpu_gemv.h, split_prompt_runs)."""
+        them by the prompt-sized kernel (kernels/cpu_gemv.h, split_prompt_runs); and
+        follows the kernels' path for the weight arguments (`_WeightArgs.refresh`)."""
         rows = ctx.prompt_rows
         self._prompt_rows = rows.contiguous() if rows is not None and bool(rows.any()) else None
+        self.weights.refresh()
         try:
             yield
         finally:
@@ -326,5 +344,6 @@ class CpuBackend(TorchBackend):
                 and y.shape[0] > 0):
             with self.nvfp4.native(model):
                 return super().logits(model, y)
-        return self.ops.softcapped_logits(y.reshape(-1, y.shape[-1]), model.lm_head.weight,
-                                          model.config.output_multiplier, model.config.final_logit_softcapping)
+        head = self.weights.linear(model.lm_head)
+        return self.ops.softcapped_logits(y.reshape(-1, y.shape[-1]), head[0], model.config.output_multiplier,
+                                          model.config.final_logit_softcapping, head[1] if len(head) == 2 else None)

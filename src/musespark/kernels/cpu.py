@@ -79,6 +79,24 @@ def path_for(level: str) -> str:
     return "avx512_bf16" if level in ("avx512_bf16", "amx_bf16") else "avx2"
 
 
+PANEL_ROWS = 64  # kernels/cpu_isa.h kPanelRows
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (K even) in the layout the AVX-512-BF16 panel kernel reads
+    (kernels/cpu_gemv.h `panels_arg`): int32 [ceil(N / 64), K / 2, 64], panel p's word [q, c]
+    holding the bf16 pair (w[64p + c, 2q], w[64p + c, 2q + 1]), low half first; rows past N
+    are zeros. A second copy of the weight (the same bytes), made once per weight."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2:
+        raise ValueError(f"pack_panels: expected a bfloat16 [N, K] weight with K even, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    pairs = w.detach().contiguous().view(torch.int32)  # [N, K/2]: little-endian, w[:, 2q] in the low half
+    panels = -(-n // PANEL_ROWS)
+    if panels * PANEL_ROWS != n:
+        pairs = torch.cat([pairs, pairs.new_zeros(panels * PANEL_ROWS - n, k // 2)])
+    return pairs.view(panels, PANEL_ROWS, k // 2).transpose(1, 2).contiguous()
+
+
 def unavailable_reason() -> str:
     """Why the kernels are unavailable ("" when they are loaded or not tried yet)."""
     return _reason

@@ -129,6 +129,7 @@ namespace {
 // and reused by every tile of x.
 constexpr int kBlocks = kPanelRows / 16;
 constexpr int kPanelMR = 6;
+constexpr int64_t kPanelAhead = 8192;  // bytes prefetched ahead in packed weights
 
 // r[i] = 16 dwords of row i -> r[j] = dword j of rows 0..15 (4 rounds of 16 shuffles).
 inline void transpose16(__m512i* r) {
@@ -182,7 +183,7 @@ inline void pack_panel(const uint16_t* w, int64_t K, int64_t np, int64_t k0, int
 // y (first chunk: from +0) over the pairs in order, stored back to y (exact: fp32 both).
 template <int MR>
 inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, const uint32_t* pk, float* y,
-                       int64_t ldy, const __mmask16* cols, bool first) {
+                       int64_t ldy, const __mmask16* cols, bool first, int64_t ahead) {
   __m512 acc[MR][kBlocks];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < kBlocks; ++b)
@@ -191,7 +192,10 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
   const int64_t K2 = K / 2, pairs = (kc + 1) / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) wv[b] = (__m512bh)_mm512_load_si512(pk + p * kPanelRows + 16 * b);
+    for (int b = 0; b < kBlocks; ++b) {
+      if (ahead) _mm_prefetch(reinterpret_cast<const char*>(pk + p * kPanelRows + 16 * b) + ahead, _MM_HINT_T0);
+      wv[b] = (__m512bh)_mm512_load_si512(pk + p * kPanelRows + 16 * b);
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[m * K2 + p]);
       for (int b = 0; b < kBlocks; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
@@ -204,7 +208,7 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
 }  // namespace
 
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
-                 int64_t ldy, uint32_t* pk) {
+                 int64_t ldy, uint32_t* pk, const uint32_t* packed) {
   for (int64_t n = n0; n < n1; n += kPanelRows) {
     const int64_t np = n1 - n < kPanelRows ? n1 - n : kPanelRows;
     __mmask16 cols[kBlocks];
@@ -214,7 +218,9 @@ void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
     }
     for (int64_t k0 = 0; k0 < K; k0 += kPanelK) {
       const int64_t kc = K - k0 < kPanelK ? K - k0 : kPanelK;
-      pack_panel(w + n * K, K, np, k0, kc, pk);
+      // Packed once (`packed`, [ceil(N / 64), K / 2, 64] pairs, n0 a multiple of 64) or now.
+      const uint32_t* panel = packed ? packed + n / kPanelRows * (K / 2 * kPanelRows) + k0 / 2 * kPanelRows : pk;
+      if (!packed) pack_panel(w + n * K, K, np, k0, kc, pk);
       // ceil(M / 6) tiles of near-equal height (as rows_of_tile): each element's sum is the
       // same in a tile of any height.
       const int64_t tiles = (M + kPanelMR - 1) / kPanelMR;
@@ -225,13 +231,15 @@ void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
         const uint16_t* xt = x + m * K;
         float* yt = y + m * ldy + n;
         const bool first = k0 == 0;
+        // Packed weights come from memory in the first tile only: fetch them ahead.
+        const int64_t ahead = packed && t == 0 ? kPanelAhead : 0;
         switch (h) {
-          case 6: panel_tile<6>(xt, K, k0, kc, pk, yt, ldy, cols, first); break;
-          case 5: panel_tile<5>(xt, K, k0, kc, pk, yt, ldy, cols, first); break;
-          case 4: panel_tile<4>(xt, K, k0, kc, pk, yt, ldy, cols, first); break;
-          case 3: panel_tile<3>(xt, K, k0, kc, pk, yt, ldy, cols, first); break;
-          case 2: panel_tile<2>(xt, K, k0, kc, pk, yt, ldy, cols, first); break;
-          default: panel_tile<1>(xt, K, k0, kc, pk, yt, ldy, cols, first); break;
+          case 6: panel_tile<6>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead); break;
+          case 5: panel_tile<5>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead); break;
+          case 4: panel_tile<4>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead); break;
+          case 3: panel_tile<3>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead); break;
+          case 2: panel_tile<2>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead); break;
+          default: panel_tile<1>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead); break;
         }
         m += h;
       }

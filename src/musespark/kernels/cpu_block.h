@@ -41,11 +41,13 @@ using musespark_rows::sigmoid;
 constexpr int64_t kRowGrain = 16;  // rows per task in row loops (T = 1 runs inline)
 
 // A weight argument of the fused blocks (schema `Tensor[]`): [w], a contiguous bf16 or fp32
-// matrix [N, K] (experts: [E, N, K]), or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
+// matrix [N, K] (experts: [E, N, K]); [w, panels], a bf16 matrix with its panels packed once
+// (cpu_gemv.h panels_arg; not for experts); or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
 // [(E,) N, K/2], block scales float8_e4m3fn or uint8 [(E,) N, K/16], global scales fp32 with
 // (E x) G elements, G dividing N]. Views into the tensors: they must outlive the call.
 struct Weight {
   const uint8_t* w = nullptr;  // bf16 or fp32 elements, or NVFP4 codes
+  const uint32_t* packed = nullptr;  // the panels of [w, panels]
   const uint8_t* scales = nullptr;
   const float* globals = nullptr;
   int64_t E = 0, N = 0, K = 0, G = 1;
@@ -59,6 +61,7 @@ struct Weight {
           const uint8_t* prompt = nullptr) const {
     Job j{x, M, K, w + e * w_stride, !nvfp4() && !fp32, N, y, ldy, bf16};
     j.prompt = prompt;
+    j.packed = packed;
     if (nvfp4()) {
       j.scales = scales + e * s_stride;
       j.globals = globals + e * G;
@@ -73,19 +76,24 @@ struct Weight {
 inline Weight weight_arg(at::TensorList parts, bool experts, const char* name) {
   const int64_t d = experts ? 3 : 2;
   Weight w;
-  TORCH_CHECK(parts.size() == 1 || parts.size() == 3, name,
-              ": expected [bf16 weight] or [NVFP4 codes, block scales, global scales], got ", parts.size(), " tensors");
+  TORCH_CHECK(parts.size() >= 1 && parts.size() <= 3, name,
+              ": expected [bf16 weight], [bf16 weight, panels] or [NVFP4 codes, block scales, global scales], got ",
+              parts.size(), " tensors");
   const Tensor& a = parts[0];
   TORCH_CHECK(a.dim() == d && a.is_contiguous(), name, " must be a contiguous ", d, "-D tensor, got ", a.sizes());
   w.E = experts ? a.size(0) : 1;
   w.N = a.size(d - 2);
   w.w = static_cast<const uint8_t*>(a.data_ptr());
-  if (parts.size() == 1) {
+  if (parts.size() <= 2) {
     TORCH_CHECK(a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kFloat, name,
                 " must be bfloat16 or float32 (or NVFP4), got ", a.scalar_type());
     w.fp32 = a.scalar_type() == at::kFloat;
     w.K = a.size(d - 1);
     w.w_stride = w.N * w.K * static_cast<int64_t>(a.element_size());
+    if (parts.size() == 2) {
+      TORCH_CHECK(!experts, name, ": expert weights take no panels");
+      w.packed = musespark_gemv::panels_arg(parts[1], a, name);
+    }
     return w;
   }
   const Tensor &sc = parts[1], &gl = parts[2];

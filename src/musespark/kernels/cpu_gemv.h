@@ -170,7 +170,9 @@ struct Job {
   int64_t G = 1;
   // Per row of x: nonzero for a prompt row (`split_prompt_runs`); null: none is.
   const uint8_t* prompt = nullptr;
-  bool panels = false;  // every row is a prompt row, multiplied by bf16_panels
+  // A bf16 weight's panels, packed once (`panels_arg`): then every row takes bf16_panels.
+  const uint32_t* packed = nullptr;
+  bool panels = false;  // every row is multiplied by bf16_panels (prompt rows, or packed weights)
   int64_t tile_rows() const { return panels ? musespark_avx512::kPanelRows : kNR; }
   int64_t tiles() const { return (N + tile_rows() - 1) / tile_rows(); }
   bool nvfp4() const { return scales != nullptr; }
@@ -239,18 +241,25 @@ inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jo
   return out;
 }
 
-// Batch invariance with two bf16 kernels (AVX-512-BF16): a prompt row (a token inside its
-// request's prompt: the caller says which) is always multiplied by bf16_panels, the
-// prompt-sized kernel; every other row (decode, speculative verification) by bf16_dots,
-// which streams the weight at one row. A row's kernel depends on the row alone, never on
-// its batch, so neither does its result. A job's rows split into runs of one kind, one job
-// per run; jobs on other paths drop the flags.
+// Batch invariance with two bf16 kernels (AVX-512-BF16). A weight packed once into panels
+// (`Job::packed`: the dense linears and the LM head) multiplies every row by bf16_panels,
+// which reads it as one stream and is the faster kernel at every batch size. Otherwise a
+// prompt row (a token inside its request's prompt: the caller says which) is multiplied by
+// bf16_panels, packing the weight on the fly, and every other row (decode, speculative
+// verification) by bf16_dots, which streams the weight at one row. A row's kernel depends on
+// the weight and the row alone, never on its batch, so neither does its result. A job's rows
+// split into runs of one kind, one job per run; jobs on other paths drop the flags.
 inline std::vector<Job> split_prompt_runs(const std::vector<Job>& jobs) {
   std::vector<Job> out;
   out.reserve(jobs.size());
   for (const Job& b : jobs) {
     Job c = b;
     c.prompt = nullptr;
+    if (b.packed && b.avx512()) {
+      c.panels = true;
+      out.push_back(c);
+      continue;
+    }
     if (!b.prompt || !b.avx512()) {
       out.push_back(c);
       continue;
@@ -352,7 +361,7 @@ inline void run_jobs(const std::vector<Job>& given) {
           nvfp4_rows(b, q, j, n0, n1);
         else if (b.panels)
           musespark_avx512::bf16_panels(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1,
-                                        b.y, b.ldy, panel_scratch());
+                                        b.y, b.ldy, panel_scratch(), b.packed);
         else  // bf16_dots chunks x by itself
           musespark_avx512::bf16_dots(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1,
                                       b.y, b.ldy);
@@ -379,15 +388,34 @@ inline const uint8_t* prompt_flags(const c10::optional<at::Tensor>& rows, int64_
   return static_cast<const uint8_t*>(r.data_ptr());
 }
 
+// A bf16 weight's panels argument (the ops' optional `panels`): int32 [ceil(N / 64), K / 2, 64],
+// panel p's word [q, c] = bf16 bits of (w[64p + c, 2q], w[64p + c, 2q + 1]), low half first,
+// rows past N zero (kernels/cpu.py pack_panels makes it). Null when absent.
+inline const uint32_t* panels_arg(const c10::optional<at::Tensor>& panels, const at::Tensor& w, const char* name) {
+  if (!panels.has_value() || !panels->defined()) return nullptr;
+  const at::Tensor& p = *panels;
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, name,
+              ": panels go with a bfloat16 [N, K] weight, got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(p.scalar_type() == at::kInt && p.is_contiguous() && p.dim() == 3 &&
+                  p.size(0) == (N + musespark_avx512::kPanelRows - 1) / musespark_avx512::kPanelRows &&
+                  p.size(1) == K / 2 && p.size(2) == musespark_avx512::kPanelRows && K % 2 == 0,
+              name, ": panels must be the contiguous int32 [", (N + musespark_avx512::kPanelRows - 1) / 64, ", ",
+              K / 2, ", 64] packing of the weight (musespark.kernels.cpu.pack_panels), got ", p.scalar_type(), " ",
+              p.sizes());
+  return reinterpret_cast<const uint32_t*>(p.data_ptr<int32_t>());
+}
+
 // x holds bf16 values unless x_bf16 is false (see Job).
 inline Job job(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, int64_t ldy, bool x_bf16 = true) {
   return Job{x, M, K, w.data_ptr(), w.scalar_type() == at::kBFloat16, w.size(0), y, ldy, x_bf16};
 }
 
 inline void run(const float* x, int64_t M, int64_t K, const at::Tensor& w, float* y, bool x_bf16,
-                const uint8_t* prompt = nullptr) {
+                const uint8_t* prompt = nullptr, const uint32_t* packed = nullptr) {
   Job b = job(x, M, K, w, y, w.size(0), x_bf16);
   b.prompt = prompt;
+  b.packed = packed;
   run_jobs({b});
 }
 

@@ -48,7 +48,7 @@ constexpr int64_t kPanelRows = 64;
 constexpr int64_t kPanelK = 1024;
 constexpr int64_t kPanelWords = kPanelK / 2 * kPanelRows;
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
-                 int64_t ldy, uint32_t* pk);
+                 int64_t ldy, uint32_t* pk, const uint32_t* packed = nullptr);
 
 // NVFP4 weight-only rows (cpu_nvfp4.cpp states the contract): y[m * ldy + n] for n in [n0, n1)
 // from x permuted to the decode order (per 16-block: 8 even then 8 odd elements), codes

@@ -2,6 +2,9 @@
 // kernel of cpu_gemv.h behind a torch op; `softcapped_logits` the same product with the
 // head's soft cap applied on the way out.
 //
+// `panels` (optional): a bf16 w packed once (cpu_gemv.h panels_arg), multiplied by the
+// AVX-512-BF16 panel kernel on that path and ignored on the others.
+//
 // Invariants: x is fp32 or bf16 [M, K]; w is bf16 or fp32 [N, K]; K % 8 == 0; the result
 // is [M, N] in x's dtype, rounded once from fp32 accumulators (8 lanes summed at the end:
 // a different order from MKL's, so fp32 results differ at rounding level).
@@ -65,7 +68,8 @@ bool set_batch_invariant(bool on) {
 
 // x @ w^T from fp32 accumulators: [M, N] fp32, whatever x's dtype (bf16 x is widened first).
 at::Tensor products_fp32(const char* op, const at::Tensor& x, const at::Tensor& w,
-                         const c10::optional<at::Tensor>& prompt_rows = c10::nullopt) {
+                         const c10::optional<at::Tensor>& prompt_rows = c10::nullopt,
+                         const c10::optional<at::Tensor>& panels = c10::nullopt) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x [M, K] and w [N, K] must be 2-D");
   TORCH_CHECK(x.size(1) == w.size(1), op, ": x has K=", x.size(1), ", w has K=", w.size(1));
   TORCH_CHECK(x.size(1) % 8 == 0, op, ": K must be a multiple of 8, got ", x.size(1));
@@ -79,12 +83,15 @@ at::Tensor products_fp32(const char* op, const at::Tensor& x, const at::Tensor& 
   const int64_t M = xf.size(0), K = xf.size(1), N = wc.size(0);
   auto y = at::empty({M, N}, xf.options());
   const uint8_t* prompt = musespark_gemv::prompt_flags(prompt_rows, M, op);
-  if (M > 0 && N > 0) musespark_gemv::run(xf.data_ptr<float>(), M, K, wc, y.data_ptr<float>(), /*x_bf16=*/bf16, prompt);
+  const uint32_t* packed = musespark_gemv::panels_arg(panels, wc, op);
+  if (M > 0 && N > 0)
+    musespark_gemv::run(xf.data_ptr<float>(), M, K, wc, y.data_ptr<float>(), /*x_bf16=*/bf16, prompt, packed);
   return y;
 }
 
-at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& prompt_rows) {
-  const at::Tensor y = products_fp32("linear_small_m", x, w, prompt_rows);
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& prompt_rows,
+                          const c10::optional<at::Tensor>& panels) {
+  const at::Tensor y = products_fp32("linear_small_m", x, w, prompt_rows, panels);
   return x.scalar_type() == at::kBFloat16 ? y.to(at::kBFloat16) : y;  // rounded once, to nearest even
 }
 
@@ -93,9 +100,10 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w, const c10::o
 // and widened. Every step is the fp32 operation torch's ops on y perform, tanh is torch's
 // own (at::tanh_): the same bits as `cap * torch.tanh(y.float() * multiplier / cap)`, in
 // place and on every thread instead of five passes with a new tensor each.
-at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double multiplier, double cap) {
+at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double multiplier, double cap,
+                             const c10::optional<at::Tensor>& panels) {
   TORCH_CHECK(cap > 0, "softcapped_logits: cap must be positive, got ", cap);
-  at::Tensor y = products_fp32("softcapped_logits", x, w);
+  at::Tensor y = products_fp32("softcapped_logits", x, w, c10::nullopt, panels);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   float* p = y.data_ptr<float>();
   const int64_t n = y.numel();
@@ -116,8 +124,8 @@ at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double mu
 }  // namespace
 
 TORCH_LIBRARY(musespark_cpu, m) {
-  m.def("linear_small_m(Tensor x, Tensor w, Tensor? prompt_rows=None) -> Tensor");
-  m.def("softcapped_logits(Tensor x, Tensor w, float multiplier, float cap) -> Tensor");
+  m.def("linear_small_m(Tensor x, Tensor w, Tensor? prompt_rows=None, Tensor? panels=None) -> Tensor");
+  m.def("softcapped_logits(Tensor x, Tensor w, float multiplier, float cap, Tensor? panels=None) -> Tensor");
   m.def("set_isa(str path) -> str", &set_isa);  // no tensor arguments: catch-all kernels
   m.def("isa_path() -> str", &isa_path);
   m.def("set_batch_invariant(bool on) -> bool", &set_batch_invariant);
