@@ -579,14 +579,18 @@ inline void score_step(const uint16_t* q, int64_t D, const uint16_t* const* row,
 // and, within a step, every head: the nh heads' rows of a slot are adjacent, so the keys are
 // read as one stream.
 template <int GH>
-void scores_all(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, int64_t stride,
-                const int64_t* slots, int64_t L, float scale, float* scores) {
+void scores_all(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v,
+                int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores) {
   constexpr int KJ = 16 / GH;
   for (int64_t i0 = 0; i0 < L; i0 += KJ) {
     const int64_t n = L - i0 < KJ ? L - i0 : KJ;
     for (int64_t h = 0; h < nh; ++h) {
       for (int64_t j = 0; j < n; ++j)  // this head's part only: prefetches spread over the step
-        if (i0 + j + kKeysAhead < L) prefetch_row(k + slots[i0 + j + kKeysAhead] * stride + h * D, 2 * D, _MM_HINT_T0);
+        if (i0 + j + kKeysAhead < L) {
+          prefetch_row(k + slots[i0 + j + kKeysAhead] * stride + h * D, 2 * D, _MM_HINT_T0);
+          // the value rows, into L2 for the second pass
+          prefetch_row(v + slots[i0 + j + kKeysAhead] * stride + h * D, 2 * D, _MM_HINT_T1);
+        }
       const uint16_t* row[KJ];
       for (int64_t j = 0; j < KJ; ++j) row[j] = j < n ? k + slots[i0 + j] * stride + h * D : kZeroRow;
       for (int64_t g = 0; g < G; g += GH)
@@ -652,11 +656,11 @@ bool decode_attention_fits(int64_t D, int64_t H) { return D % 32 == 0 && D <= kM
 void decode_attention(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k, const uint16_t* v,
                       int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores, float* out) {
   if (G % 4 == 0)
-    scores_all<4>(q, nh, G, D, k, stride, slots, L, scale, scores);
+    scores_all<4>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
   else if (G % 2 == 0)
-    scores_all<2>(q, nh, G, D, k, stride, slots, L, scale, scores);
+    scores_all<2>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
   else
-    scores_all<1>(q, nh, G, D, k, stride, slots, L, scale, scores);
+    scores_all<1>(q, nh, G, D, k, v, stride, slots, L, scale, scores);
   const int64_t H = nh * G;  // query heads; scores [H, L], out [H, D]
   float inv[kMaxHeads];
   for (int64_t r = 0; r < H; ++r) inv[r] = softmax_unnormalized(scores + r * L, L);
