@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..config import CacheConfig, ModelConfig
@@ -84,6 +85,12 @@ class StepInputs:
     scored_rows: list[tuple[int, int]]  # prompt_logprobs: (first row, rows)
     row_wise: list[int] = field(default_factory=list)  # sequences verifying drafts: attention row by row
     prompt_rows: list[int] = field(default_factory=list)  # per sequence: its first rows that are prompt tokens
+
+
+def _int64(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """Python ints (a list, or a list of equal-length lists) as an int64 tensor. numpy reads a
+    list of ints ~5x faster than torch.tensor (a decode step's block tables: 41 vs 226 us)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
 def _prompt_mask(inputs: StepInputs, device: torch.device) -> torch.Tensor | None:
@@ -260,12 +267,11 @@ class ModelRunner:
         for slots, tables in inputs.groups:
             width = max(len(t) for t in tables)
             padded = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
-            kv_groups.append(KVGroup(slot_mapping=torch.tensor(slots, device=device),
-                                     block_tables=torch.tensor(padded, device=device)))
+            kv_groups.append(KVGroup(slot_mapping=_int64(slots, device), block_tables=_int64(padded, device)))
         ctx = AttentionContext(query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                                kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group,
                                row_wise=inputs.row_wise, prompt_rows=_prompt_mask(inputs, device))
-        ids, positions = torch.tensor(inputs.ids, device=device), torch.tensor(inputs.positions, device=device)
+        ids, positions = _int64(inputs.ids, device), _int64(inputs.positions, device)
         if self.aux_layers:  # a proposer reads these streams (rank 0 only; no collective involved)
             hidden, self.last_aux = self.model(ids, positions, ctx, aux_layers=self.aux_layers)
         else:
@@ -291,7 +297,7 @@ class ModelRunner:
                     score(j, lo, logits)
         if not inputs.sample_rows:
             return None
-        return logits_of(torch.tensor(inputs.sample_rows, device=device), len(inputs.sample_rows))
+        return logits_of(_int64(inputs.sample_rows, device), len(inputs.sample_rows))
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: ModelRunnerOutput) -> None:
         V = logits.shape[-1]
