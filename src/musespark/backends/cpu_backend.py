@@ -80,7 +80,7 @@ class _WeightArgs:
     On the AVX-512-BF16 path a dense bf16 linear's argument is [weight, panels]: the weight
     packed once more (`cpu.pack_panels`, as many bytes again) for the panel kernel, which
     then multiplies every row of it, prompt or decode, 1.1-2x faster than the dot-product
-    kernel (benchmarks/RESULTS.md). Expert weights are not packed (they would double the
+    kernel (benchmarks/RESULTS.md, session 10). Expert weights are not packed (they would double the
     model). `panels` follows the kernels' path (`refresh`, once per step)."""
 
     def __init__(self, ops: Any) -> None:

@@ -10,8 +10,8 @@
 // the job list it is part of, so a row's result never depends on the other rows.
 //
 // ISA dispatch (cpu_isa.h): on CPUs with AVX-512-BF16, products whose x and w both hold
-// bf16 values run `musespark_avx512::bf16_dots` instead (vdpbf16ps, 16 lanes): the same
-// invariance, a different fixed summation order.
+// bf16 values run `musespark_avx512::bf16_dots` or `bf16_panels` instead (vdpbf16ps; which
+// one: split_prompt_runs): the same invariance, other fixed summation orders.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
