@@ -242,6 +242,10 @@ class CpuBackend(TorchBackend):
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
         self.weights = _WeightArgs(ops)
+        if self.weights.panels:  # pack the dense weights now, not in the first request
+            for m in model.modules():
+                if isinstance(getattr(m, "format", None), DenseLinear) and (self.fused_blocks or m is model.lm_head):
+                    self.weights.linear(m)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
 
     @contextmanager
