@@ -81,7 +81,9 @@ class _WeightArgs:
     packed once more (`cpu.pack_panels`, as many bytes again) for the panel kernel, which
     then multiplies every row of it, prompt or decode, 1.1-2x faster than the dot-product
     kernel (benchmarks/RESULTS.md, session 10). Expert weights are not packed (they would double the
-    model). `panels` follows the kernels' path (`refresh`, once per step)."""
+    model). The panels are made at a weight's first use (the first step), not at load, which
+    keeps one copy of the weights (tests/test_load_memory.py). `panels` follows the kernels'
+    path (`refresh`, once per step)."""
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
@@ -242,10 +244,6 @@ class CpuBackend(TorchBackend):
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
         self.weights = _WeightArgs(ops)
-        if self.weights.panels:  # pack the dense weights now, not in the first request
-            for m in model.modules():
-                if isinstance(getattr(m, "format", None), DenseLinear) and (self.fused_blocks or m is model.lm_head):
-                    self.weights.linear(m)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
 
     @contextmanager
