@@ -80,10 +80,10 @@ class _WeightArgs:
     On the AVX-512-BF16 path a dense bf16 linear's argument is [weight, panels]: the weight
     packed once more (`cpu.pack_panels`, as many bytes again) for the panel kernel, which
     then multiplies every row of it, prompt or decode, 1.1-2x faster than the dot-product
-    kernel (benchmarks/RESULTS.md, session 10). Expert weights are not packed (they would double the
-    model). The panels are made at a weight's first use (the first step), not at load, which
-    keeps one copy of the weights (tests/test_load_memory.py). `panels` follows the kernels'
-    path (`refresh`, once per step)."""
+    kernel (benchmarks/RESULTS.md, session 10). Expert weights are not packed (they would
+    double the model). The panels are made at a weight's first use (the first step), not at
+    load, which keeps one copy of the weights (tests/test_load_memory.py). `panels` follows
+    the kernels' path (`refresh`, once per step)."""
 
     def __init__(self, ops: Any) -> None:
         self.ops = ops
