@@ -131,3 +131,38 @@ def test_training_runs_on_the_reference_whatever_the_backend():
     for weight in (model.layers[0].self_attn.q_proj.weight, sparse.mlp.experts.gate_up_proj,
                    sparse.post_feedforward_residual_gate.gate):
         assert weight.grad is not None and bool(weight.grad.abs().sum() > 0)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_cpu_backend_follows_weights_changed_after_a_step(dtype, kernel_path):
+    """The cpu backend keeps its ops' arguments (and packed panels) between steps
+    (backends/cpu_args.py). Weights written in place, replaced, or moved by `.to()` after a
+    step must reach the next one: its logits must be, bit for bit, those of a model loaded
+    with the changed weights."""
+    model = musespark.load_model(MODEL, dtype=dtype, backend="cpu")
+    ids = Tokenizer.from_dir(MODEL).encode(PROMPTS[2])
+    before = model.prompt_logits(ids)
+    paged_greedy(model, ids, 2)  # decode-sized steps too (the fused fp32 blocks run those only)
+    g = torch.Generator().manual_seed(1)
+
+    def noise(t: torch.Tensor) -> torch.Tensor:
+        return (torch.randn(t.shape, generator=g) * float(t.float().std())).to(t.dtype)
+
+    dense, sparse = model.layers[0], model.layers[1]
+    assert not dense.is_sparse and sparse.is_sparse
+    with torch.no_grad():
+        for w in (dense.self_attn.q_proj.weight, dense.mlp.down_proj.weight, sparse.mlp.experts.down_proj,
+                  sparse.mlp.pre_expert_proj.weight, model.lm_head.weight):
+            w.copy_(noise(w))  # in place: same address, new version
+        o = sparse.self_attn.o_proj
+        o.weight = torch.nn.Parameter(noise(o.weight), requires_grad=False)  # replaced
+    other = torch.float32 if dtype == "bfloat16" else torch.bfloat16
+    model.layers[2].to(other).to(getattr(torch, dtype))  # moved twice: new addresses (and rounded, for fp32)
+    fresh = musespark.load_model(MODEL, dtype=dtype, backend="cpu")
+    fresh.load_state_dict(model.state_dict())
+    fresh.materialize_constants()
+    after = model.prompt_logits(ids)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, fresh.prompt_logits(ids))
+    assert paged_greedy(model, ids, 3)[1].equal(paged_greedy(fresh, ids, 3)[1])

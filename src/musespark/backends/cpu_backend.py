@@ -40,6 +40,7 @@ from ..quant.dense import DenseExperts, DenseLinear
 from ..quant.format import ExpertsFormat, LinearFormat
 from ..quant.nvfp4 import Nvfp4Experts, Nvfp4Linear
 from .base import Rotary
+from .cpu_args import StepArgs, WeightArgs
 from .torch_backend import TorchBackend
 
 if TYPE_CHECKING:
@@ -58,67 +59,6 @@ def _fused_dtype(dtype: torch.dtype, rows: int) -> bool:
 # Most activation rows an NVFP4 product sends to the native kernel (decode batches, short
 # prefills); larger ones decode the weight once and use the reference GEMM.
 NVFP4_NATIVE_MAX_ROWS = 16
-
-
-def _sources(module: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(getattr(module, n) for n in names)
-
-
-_LINEAR = ("weight",)
-_NVFP4_LINEAR = ("weight", "weight_scale", "weight_scale_2")
-_EXPERTS = ("gate_up_proj", "down_proj")
-_NVFP4_EXPERTS = ("gate_up_proj", "gate_up_proj_weight_scale", "gate_up_proj_weight_scale_2", "down_proj",
-                  "down_proj_weight_scale", "down_proj_weight_scale_2")
-
-
-class _WeightArgs:
-    """The fused ops' weight arguments (kernels/cpu_block.h `weight_arg`) of each module, built
-    once and reused while the module's tensors stay where they are (a decode step passes ~60
-    of them; rebuilding the NVFP4 views each time costs more than some products). A module
-    whose tensors moved (`.to()`, a reload) gets new arguments.
-
-    On the AVX-512-BF16 path a dense bf16 linear's argument is [weight, panels]: the weight
-    packed once more (`cpu.pack_panels`, as many bytes again) for the panel kernel, which
-    then multiplies every row of it, prompt or decode, 1.1-2x faster than the dot-product
-    kernel (benchmarks/RESULTS.md, session 10). Expert weights are not packed (they would
-    double the model). The panels are made at a weight's first use (the first step), not at
-    load, which keeps one copy of the weights (tests/test_load_memory.py). `panels` follows
-    the kernels' path (`refresh`, once per step)."""
-
-    def __init__(self, ops: Any) -> None:
-        self.ops = ops
-        self._cache: dict[int, tuple[tuple[Any, ...], Any]] = {}
-        self.refresh()
-
-    def refresh(self) -> None:
-        self.panels = self.ops.isa_path() == "avx512_bf16"
-
-    def _get(self, module: nn.Module, names: tuple[str, ...], build: Any) -> Any:
-        tensors = _sources(module, names)
-        key = (self.panels, *(t.data_ptr() for t in tensors))
-        hit = self._cache.get(id(module))
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        args = build(*tensors)
-        self._cache[id(module)] = (key, args)
-        return args
-
-    def _dense(self, w: torch.Tensor) -> list[torch.Tensor]:
-        if self.panels and w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] % 2 == 0:
-            return [w, cpu.pack_panels(w)]
-        return [w]
-
-    def linear(self, linear: nn.Module) -> list[torch.Tensor]:
-        if isinstance(linear.format, Nvfp4Linear):
-            return self._get(linear, _NVFP4_LINEAR, lambda w, s, g: [w, s.view(torch.uint8), g.reshape(1)])
-        return self._get(linear, _LINEAR, self._dense)
-
-    def experts(self, experts: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """gate|up and down (NVFP4: gate|up has two global scales per expert, down one)."""
-        if isinstance(experts.format, Nvfp4Experts):
-            return self._get(experts, _NVFP4_EXPERTS, lambda gu, gus, gug, d, ds, dg: (
-                [gu, gus.view(torch.uint8), gug], [d, ds.view(torch.uint8), dg]))
-        return self._get(experts, _EXPERTS, lambda gu, d: ([gu], [d]))
 
 
 def _fusable(fmt: object) -> bool:
@@ -243,14 +183,15 @@ class CpuBackend(TorchBackend):
         # The head kernel needs a dense head, whatever the other modules' formats.
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
-        self.weights = _WeightArgs(ops)
+        self.weights = WeightArgs(ops)
+        self.args = StepArgs(self.weights)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
 
     @contextmanager
     def step(self, ctx: AttentionContext) -> Iterator[None]:
         """Holds the step's prompt rows for the fused blocks: the native products multiply
         them by the prompt-sized kernel (kernels/cpu_gemv.h, split_prompt_runs); and
-        follows the kernels' path for the weight arguments (`_WeightArgs.refresh`)."""
+        follows the kernels' path for the weight arguments (`WeightArgs.refresh`)."""
         rows = ctx.prompt_rows
         self._prompt_rows = rows.contiguous() if rows is not None and bool(rows.any()) else None
         self.weights.refresh()
@@ -275,11 +216,15 @@ class CpuBackend(TorchBackend):
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_in(layer, s, rotary, dtype)
-        attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
         cos, sin = rotary or (None, None)
-        return self.ops.attn_in(s, norm.gain(), norm.eps, w.linear(attn.q_proj), w.linear(attn.k_proj),
-                                w.linear(attn.v_proj), w.linear(attn.gate_proj), attn.num_heads, attn.num_kv_heads,
-                                attn.qk_scale, cos, sin, dtype == torch.bfloat16, self._prompt(s))
+        return self.ops.attn_in(s, *self._attn_in_args(layer), cos, sin, dtype == torch.bfloat16, self._prompt(s))
+
+    def _attn_in_args(self, layer: "DecoderLayer") -> tuple:
+        def build() -> tuple[tuple, tuple[nn.Module, ...]]:
+            attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
+            return (norm.gain(), norm.eps, w.linear(attn.q_proj), w.linear(attn.k_proj), w.linear(attn.v_proj),
+                    w.linear(attn.gate_proj), attn.num_heads, attn.num_kv_heads, attn.qk_scale), (norm, attn)
+        return self.args.get("attn_in", layer, build)
 
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -303,20 +248,20 @@ class CpuBackend(TorchBackend):
         if not (self.fused_blocks and _fused_dtype(o.dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_out(layer, s, o, g)
-        attn = layer.self_attn
-        alpha, beta = layer.post_attention_residual_gate.coefficients_cached()
-        return self.ops.attn_out(s, o.contiguous(), g, self.weights.linear(attn.o_proj), attn.eps, alpha, beta,
-                                 layer.post_norm_eps, self._prompt(s))
+        return self.ops.attn_out(s, o.contiguous(), g, *self._attn_out_args(layer), self._prompt(s))
+
+    def _attn_out_args(self, layer: "DecoderLayer") -> tuple:
+        def build() -> tuple[tuple, tuple[nn.Module, ...]]:
+            attn, gate = layer.self_attn, layer.post_attention_residual_gate
+            return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps), \
+                (attn.o_proj, gate)
+        return self.args.get("attn_out", layer, build)
 
     def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().dense_ffn(layer, s, dtype)
-        mlp, pre, post, w = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, self.weights
-        alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
-        return self.ops.ffn_dense(s, pre.gain(), pre.eps, w.linear(mlp.gate_proj), w.linear(mlp.up_proj),
-                                  w.linear(mlp.down_proj), post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16,
-                                  self._prompt(s))
+        return self.ops.ffn_dense(s, *self._ffn_args("ffn_dense", layer), dtype == torch.bfloat16, self._prompt(s))
 
     def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
@@ -324,16 +269,25 @@ class CpuBackend(TorchBackend):
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().moe_ffn(layer, s, dtype)
-        mlp: SparseMoeBlock = layer.mlp
-        w = self.weights
-        pre, post, router, experts = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, \
-            mlp.gate, mlp.experts
-        alpha, beta = layer.post_feedforward_residual_gate.coefficients_cached()
-        return self.ops.ffn_moe(s, pre.gain(), pre.eps, router.weight.float(), router.e_score_correction_bias.float(),
-                                router.top_k, router.output_multiplier, router.routed_scaling_factor,
-                                w.linear(mlp.pre_expert_proj), mlp.pre_expert_norm.gain(), *w.experts(experts),
-                                experts.post_expert_norm.gain(), w.linear(mlp.post_expert_proj),
-                                post.gain(), post.eps, alpha, beta, dtype == torch.bfloat16, self._prompt(s))
+        return self.ops.ffn_moe(s, *self._ffn_args("ffn_moe", layer), dtype == torch.bfloat16, self._prompt(s))
+
+    def _ffn_args(self, op: str, layer: "DecoderLayer") -> tuple:
+        """`op`'s arguments between the stream and the bf16 flag: the pre-norm, the block's
+        weights, the post-norm and the residual gate."""
+        def build() -> tuple[tuple, tuple[nn.Module, ...]]:
+            mlp, pre, post, gate = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, \
+                layer.post_feedforward_residual_gate
+            w, tail, modules = self.weights, (post.gain(), post.eps, *gate.coefficients_cached()), (pre, mlp, post, gate)
+            if op == "ffn_dense":
+                return (pre.gain(), pre.eps, w.linear(mlp.gate_proj), w.linear(mlp.up_proj), w.linear(mlp.down_proj),
+                        *tail), modules
+            moe: SparseMoeBlock = mlp
+            router, experts = moe.gate, moe.experts
+            return (pre.gain(), pre.eps, router.weight.float(), router.e_score_correction_bias.float(), router.top_k,
+                    router.output_multiplier, router.routed_scaling_factor, w.linear(moe.pre_expert_proj),
+                    moe.pre_expert_norm.gain(), *w.experts(experts), experts.post_expert_norm.gain(),
+                    w.linear(moe.post_expert_proj), *tail), modules
+        return self.args.get(op, layer, build)
 
     def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not _fused_dtype(dtype, s.shape[0]):
