@@ -150,6 +150,8 @@ def test_prompt_rows_are_exactly_the_prompt_tokens_of_each_step(checkpoint, prom
         inputs, *rest = original(batch)
         mask = model_runner._prompt_mask(inputs, torch.device("cpu"))
         qsl = inputs.query_start_loc
+        if mask is None:  # None: no row of the step is a prompt token
+            mask = torch.zeros(qsl[-1], dtype=torch.bool)
         for i, request in enumerate(batch.requests):
             rows = range(qsl[i], qsl[i + 1])
             want = [inputs.positions[r] < len(request.prompt_token_ids) for r in rows]

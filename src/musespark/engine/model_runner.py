@@ -20,6 +20,7 @@ numbers as one-at-a-time decoding) and all k + 1 rows get logits, verified by
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,9 +94,22 @@ def _int64(values: list[int] | list[list[int]], device: torch.device) -> torch.T
     return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
 
 
+def _int64_parts(parts: list[list[int]], shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
+    """Several int lists as int64 tensors of `shapes`, made from one array: each small torch
+    op costs 10-30 µs in a decode step (the weights just streamed through the caches)."""
+    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64,
+                                        count=sum(len(p) for p in parts))).to(device)
+    out, at = [], 0
+    for part, shape in zip(parts, shapes):
+        out.append(flat[at:at + len(part)].view(shape))
+        at += len(part)
+    return out
+
+
 def _prompt_mask(inputs: StepInputs, device: torch.device) -> torch.Tensor | None:
-    """[T] bool: the rows that are prompt tokens (each sequence's first `prompt_rows[i]` rows)."""
-    if not inputs.prompt_rows:
+    """[T] bool: the rows that are prompt tokens (each sequence's first `prompt_rows[i]` rows);
+    None when no row is (a decode step)."""
+    if not any(inputs.prompt_rows):
         return None
     mask = torch.zeros(inputs.query_start_loc[-1], dtype=torch.bool)
     for first, n in zip(inputs.query_start_loc, inputs.prompt_rows):
@@ -263,15 +277,18 @@ class ModelRunner:
         [rows, V] tensor). Every rank of a tensor-parallel model runs this with the same
         inputs (the collectives inside must match); only rank 0 passes `score`."""
         device = self.model.device
-        kv_groups = []
+        # ids, positions, then each KV group's slots and block table (rows padded to one width).
+        parts, shapes = [inputs.ids, inputs.positions], [(len(inputs.ids),), (len(inputs.positions),)]
         for slots, tables in inputs.groups:
             width = max(len(t) for t in tables)
-            padded = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
-            kv_groups.append(KVGroup(slot_mapping=_int64(slots, device), block_tables=_int64(padded, device)))
+            parts += [slots, [b for t in tables for b in (*t, *[NULL_BLOCK] * (width - len(t)))]]
+            shapes += [(len(slots),), (len(tables), width)]
+        ids, positions, *flat = _int64_parts(parts, shapes, device)
+        kv_groups = [KVGroup(slot_mapping=flat[i], block_tables=flat[i + 1]) for i in range(0, len(flat), 2)]
         ctx = AttentionContext(query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                                kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group,
-                               row_wise=inputs.row_wise, prompt_rows=_prompt_mask(inputs, device))
-        ids, positions = _int64(inputs.ids, device), _int64(inputs.positions, device)
+                               row_wise=inputs.row_wise, prompt_rows=_prompt_mask(inputs, device),
+                               max_position=max(inputs.positions, default=None))
         if self.aux_layers:  # a proposer reads these streams (rank 0 only; no collective involved)
             hidden, self.last_aux = self.model(ids, positions, ctx, aux_layers=self.aux_layers)
         else:
@@ -284,7 +301,8 @@ class ModelRunner:
         source = par.stage_rank(par.pp_size - 1) - par.tp_rank
 
         def logits_of(rows: torch.Tensor | slice, n: int) -> torch.Tensor | None:
-            out = self.model.compute_logits(hidden[rows]).float() if last else None
+            out = self.model.compute_logits(hidden[rows] if isinstance(rows, slice) else hidden.index_select(0, rows)
+                                            ).float() if last else None
             if relay:
                 out = _relay(out, (n, self.model.config.vocab_size), source, device)
             return out if par.rank == 0 or par.pp_size == 1 else None
@@ -297,7 +315,9 @@ class ModelRunner:
                     score(j, lo, logits)
         if not inputs.sample_rows:
             return None
-        return logits_of(_int64(inputs.sample_rows, device), len(inputs.sample_rows))
+        rows, n = inputs.sample_rows, len(inputs.sample_rows)
+        consecutive = rows[-1] - rows[0] == n - 1 and all(b - a == 1 for a, b in zip(rows, rows[1:]))
+        return logits_of(slice(rows[0], rows[0] + n) if consecutive else _int64(rows, device), n)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], out: ModelRunnerOutput) -> None:
         V = logits.shape[-1]

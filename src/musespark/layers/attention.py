@@ -52,6 +52,8 @@ class AttentionContext:
     # may multiply them by a prompt-sized kernel; whether a row is one depends on the row
     # alone, never on its batch (kernels/cpu_gemv.h, split_prompt_runs).
     prompt_rows: torch.Tensor | None = None
+    # The largest position in the step, when the caller built the positions (None: read them).
+    max_position: int | None = None
     _seq_lens_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def seq_lens_tensor(self, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,7 @@ from ..layers.attention import AttentionContext
 from ..layers.linear import Linear
 from ..layers.moe import DenseMlp, SparseMoeBlock
 from ..layers.norm import ResidualGate, RMSNorm
-from ..layers.rotary import cos_sin, inv_frequencies
+from ..layers.rotary import RopeTable, inv_frequencies
 from ..parallel.state import SINGLE, ParallelContext
 from ..quant import WeightFormats
 
@@ -69,16 +69,22 @@ class Attention(nn.Module):
         self.rope_theta = theta if theta > 0 else None
         # Filled by `materialize_constants` (not here: building on the meta device stays cheap).
         self.register_buffer("inv_freq", None, persistent=False)
+        self.rope_table: RopeTable | None = None  # cos/sin by position, made at the first step
 
-    def rotary(self, positions: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rotary(self, positions: torch.Tensor, rope: Rope, max_position: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(cos, sin) [T, D] fp32 of this layer's base, shared through `rope` by layers of
-        the same base; None on NoPE layers."""
+        the same base (from this layer's `RopeTable`); None on NoPE layers. `max_position`:
+        the largest of `positions`, when the caller knows it."""
         if self.rope_theta is None:
             return None
-        if self.inv_freq is None:
-            self.inv_freq = inv_frequencies(self.rope_theta, self.head_dim).to(positions.device)
         if self.rope_theta not in rope:
-            rope[self.rope_theta] = cos_sin(positions, self.inv_freq)
+            if self.inv_freq is None:
+                self.inv_freq = inv_frequencies(self.rope_theta, self.head_dim).to(positions.device)
+            table = self.rope_table
+            if table is None or table.inv_freq is not self.inv_freq:  # made, or `.to()` moved inv_freq
+                table = self.rope_table = RopeTable(self.inv_freq)
+            rope[self.rope_theta] = table.lookup(positions, max_position)
         return rope[self.rope_theta]
 
 
@@ -101,7 +107,7 @@ class DecoderLayer(nn.Module):
     def forward(self, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, rope: Rope,
                 backend: Backend, dtype: torch.dtype) -> torch.Tensor:
         """s [T, H] fp32 stream -> new stream [T, H] fp32; `dtype` is the activation dtype."""
-        q, k, v, g = backend.attn_in(self, s, self.self_attn.rotary(positions, rope), dtype)
+        q, k, v, g = backend.attn_in(self, s, self.self_attn.rotary(positions, rope, ctx.max_position), dtype)
         o = backend.attention(self.self_attn, q, k, v, positions, ctx)
         s = backend.attn_out(self, s, o, g)
         return backend.moe_ffn(self, s, dtype) if self.is_sparse else backend.dense_ffn(self, s, dtype)
