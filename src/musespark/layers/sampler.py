@@ -91,10 +91,7 @@ class SamplingBatch:
 
         greedy = [p.greedy for p in params]
         top_k = [V if p.top_k <= 0 else min(p.top_k, V) for p in params]
-        need_penalties = any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-            for p in params
-        )
+        need_penalties = any(penalized(p) for p in params)
         sampled = [not g for g in greedy]  # top-k/p and min-p only matter on sampled rows
 
         output_counts = seen_mask = None
@@ -130,6 +127,11 @@ class SamplingBatch:
             need_min_p=any(s and p.min_p > 0.0 for s, p in zip(sampled, params)),
             need_penalties=need_penalties,
         )
+
+
+def penalized(p: SamplingParams) -> bool:
+    """Whether a request's logits get presence, frequency or repetition penalties."""
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
 def _token_counts(token_ids: list[list[int]], V: int, device: torch.device | str) -> torch.Tensor:
