@@ -10,6 +10,7 @@ greedy tokens, and logits within the stated tolerance, on the bundled model:
   weights and norms summed in double; prefills keep MKL)."""
 
 import collections
+import copy
 import os
 from pathlib import Path
 
@@ -156,7 +157,15 @@ def test_the_cpu_backend_follows_weights_changed_after_a_step(dtype, kernel_path
                   sparse.mlp.pre_expert_proj.weight, model.lm_head.weight):
             w.copy_(noise(w))  # in place: same address, new version
         o = sparse.self_attn.o_proj
-        o.weight = torch.nn.Parameter(noise(o.weight), requires_grad=False)  # replaced
+        o.weight = torch.nn.Parameter(noise(o.weight), requires_grad=False)  # a parameter replaced
+        for parent, name in ((model.layers[3].self_attn, "o_proj"), (model.layers[4], "input_layernorm"),
+                             (model.layers[5], "post_feedforward_residual_gate"), (model.layers[4].mlp, "post_expert_proj")):
+            twin = copy.deepcopy(getattr(parent, name))  # a module replaced by a changed copy
+            for p in twin.parameters():
+                p.copy_(noise(p))
+            if hasattr(twin, "materialize"):
+                twin.materialize()
+            setattr(parent, name, twin)
     other = torch.float32 if dtype == "bfloat16" else torch.bfloat16
     model.layers[2].to(other).to(getattr(torch, dtype))  # moved twice: new addresses (and rounded, for fp32)
     fresh = musespark.load_model(MODEL, dtype=dtype, backend="cpu")

@@ -40,11 +40,16 @@ def _version(t: torch.Tensor) -> int | None:
 _Check = tuple[dict, str, Any, "int | None", "int | None"]
 
 
-def fingerprint(modules: tuple[nn.Module, ...]) -> list[_Check]:
-    """The checks that hold while every parameter, buffer and submodule under `modules` is
-    the same object, at the same address, unwritten."""
+def fingerprint(owner: nn.Module, children: tuple[str, ...] | None = None) -> list[_Check]:
+    """The checks that hold while `owner`'s named `children` (all of it when None) are the
+    same modules, and every parameter, buffer and submodule under them is the same object,
+    at the same address, unwritten."""
     checks: list[_Check] = []
-    for root in modules:
+    roots: list[nn.Module] = [owner]
+    if children is not None:
+        roots = [owner._modules[n] for n in children]
+        checks += [(owner._modules, n, r, None, None) for n, r in zip(children, roots)]
+    for root in roots:
         for m in root.modules():
             for d in (m._parameters, m._buffers, m._modules):
                 for name, obj in d.items():
@@ -88,7 +93,7 @@ class WeightArgs:
         if hit is not None and hit[0] is module and hit[1] == self.panels and unchanged(hit[2]):
             return hit[3]
         args = build(*(getattr(module, n) for n in names))
-        self._cache[id(module)] = (module, self.panels, fingerprint((module,)), args)
+        self._cache[id(module)] = (module, self.panels, fingerprint(module), args)
         return args
 
     def _dense(self, w: torch.Tensor) -> list[torch.Tensor]:
@@ -113,21 +118,21 @@ class WeightArgs:
 
 
 class StepArgs:
-    """Each (op, owner) argument tuple, reused while the tensors under the modules it was
-    built from are unchanged (`fingerprint`) and the weight arguments' path (`WeightArgs.panels`)
-    is the same. `get(op, owner, build)`: `build()` returns the tuple and the modules it read
-    (each op names its own, so a call checks only those)."""
+    """Each (op, owner) argument tuple, reused while the owner's children it was built from
+    are unchanged (`fingerprint`) and the weight arguments' path (`WeightArgs.panels`) is the
+    same. `get(op, owner, build)`: `build()` returns the tuple and the names of the owner's
+    children it read (each op names its own, so a call checks only those)."""
 
     def __init__(self, weights: WeightArgs) -> None:
         self.weights = weights
         self._cache: dict[tuple[str, int], tuple[nn.Module, bool, list[_Check], tuple]] = {}
 
-    def get(self, op: str, owner: nn.Module, build: Callable[[], tuple[tuple, tuple[nn.Module, ...]]]) -> tuple:
+    def get(self, op: str, owner: nn.Module, build: Callable[[], tuple[tuple, tuple[str, ...]]]) -> tuple:
         hit = self._cache.get((op, id(owner)))
         panels = self.weights.panels
         if hit is not None and hit[0] is owner and hit[1] == panels and unchanged(hit[2]):
             return hit[3]
-        args, modules = build()
+        args, children = build()
         # The fingerprint is taken after building: building materializes derived buffers.
-        self._cache[(op, id(owner))] = (owner, panels, fingerprint(modules), args)
+        self._cache[(op, id(owner))] = (owner, panels, fingerprint(owner, children), args)
         return args

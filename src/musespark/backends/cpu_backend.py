@@ -220,10 +220,11 @@ class CpuBackend(TorchBackend):
         return self.ops.attn_in(s, *self._attn_in_args(layer), cos, sin, dtype == torch.bfloat16, self._prompt(s))
 
     def _attn_in_args(self, layer: "DecoderLayer") -> tuple:
-        def build() -> tuple[tuple, tuple[nn.Module, ...]]:
+        def build() -> tuple[tuple, tuple[str, ...]]:
             attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
             return (norm.gain(), norm.eps, w.linear(attn.q_proj), w.linear(attn.k_proj), w.linear(attn.v_proj),
-                    w.linear(attn.gate_proj), attn.num_heads, attn.num_kv_heads, attn.qk_scale), (norm, attn)
+                    w.linear(attn.gate_proj), attn.num_heads, attn.num_kv_heads, attn.qk_scale), \
+                ("input_layernorm", "self_attn")
         return self.args.get("attn_in", layer, build)
 
     def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -251,10 +252,10 @@ class CpuBackend(TorchBackend):
         return self.ops.attn_out(s, o.contiguous(), g, *self._attn_out_args(layer), self._prompt(s))
 
     def _attn_out_args(self, layer: "DecoderLayer") -> tuple:
-        def build() -> tuple[tuple, tuple[nn.Module, ...]]:
+        def build() -> tuple[tuple, tuple[str, ...]]:
             attn, gate = layer.self_attn, layer.post_attention_residual_gate
             return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps), \
-                (attn.o_proj, gate)
+                ("self_attn", "post_attention_residual_gate")
         return self.args.get("attn_out", layer, build)
 
     def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -274,10 +275,11 @@ class CpuBackend(TorchBackend):
     def _ffn_args(self, op: str, layer: "DecoderLayer") -> tuple:
         """`op`'s arguments between the stream and the bf16 flag: the pre-norm, the block's
         weights, the post-norm and the residual gate."""
-        def build() -> tuple[tuple, tuple[nn.Module, ...]]:
+        def build() -> tuple[tuple, tuple[str, ...]]:
             mlp, pre, post, gate = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, \
                 layer.post_feedforward_residual_gate
-            w, tail, modules = self.weights, (post.gain(), post.eps, *gate.coefficients_cached()), (pre, mlp, post, gate)
+            w, tail = self.weights, (post.gain(), post.eps, *gate.coefficients_cached())
+            modules = ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm", "post_feedforward_residual_gate")
             if op == "ffn_dense":
                 return (pre.gain(), pre.eps, w.linear(mlp.gate_proj), w.linear(mlp.up_proj), w.linear(mlp.down_proj),
                         *tail), modules
