@@ -61,6 +61,7 @@ def fingerprint(owner: nn.Module, children: tuple[str, ...] | None = None) -> li
 
 
 def unchanged(checks: list[_Check]) -> bool:
+    """Whether every check of a `fingerprint` still holds."""
     for d, name, obj, ptr, version in checks:
         if d.get(name) is not obj:
             return False
