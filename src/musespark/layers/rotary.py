@@ -29,9 +29,10 @@ class RopeTable:
     then one `index_select` instead of the half-dozen small ops of `cos_sin`, which cost
     ~85 µs a decode step on a CPU whose caches the weights just streamed through.
 
-    Each value is `cos_sin`'s formula at its position, computed in a batch whose length is a
-    multiple of 32 elements, so every value takes torch's vectorized cos/sin; a position's
-    value never depends on the step it is in. Positions past `MAX_POSITIONS` use `cos_sin`."""
+    Each value is `cos_sin`'s formula at its position, computed once for the whole table, so
+    a position's value never depends on the step it is in (`cos_sin` on a step's rows may
+    take torch's scalar tail for some of them: a row of 16 values alone can). Positions past
+    `MAX_POSITIONS` use `cos_sin`."""
 
     MAX_POSITIONS = 1 << 15
 
