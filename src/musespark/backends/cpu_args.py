@@ -70,6 +70,12 @@ def unchanged(checks: list[_Check]) -> bool:
     return True
 
 
+def _still_valid(hit: tuple | None, owner: nn.Module, panels: bool) -> bool:
+    """Whether a cache entry (owner, panels, checks, args) was made for this owner and path
+    and its fingerprint still holds."""
+    return hit is not None and hit[0] is owner and hit[1] == panels and unchanged(hit[2])
+
+
 class WeightArgs:
     """The fused ops' weight arguments (kernels/cpu_block.h `weight_arg`) of each module.
 
@@ -91,7 +97,7 @@ class WeightArgs:
 
     def _get(self, module: nn.Module, names: tuple[str, ...], build: Callable[..., Any]) -> Any:
         hit = self._cache.get(id(module))
-        if hit is not None and hit[0] is module and hit[1] == self.panels and unchanged(hit[2]):
+        if _still_valid(hit, module, self.panels):
             return hit[3]
         args = build(*(getattr(module, n) for n in names))
         self._cache[id(module)] = (module, self.panels, fingerprint(module), args)
@@ -131,7 +137,7 @@ class StepArgs:
     def get(self, op: str, owner: nn.Module, build: Callable[[], tuple[tuple, tuple[str, ...]]]) -> tuple:
         hit = self._cache.get((op, id(owner)))
         panels = self.weights.panels
-        if hit is not None and hit[0] is owner and hit[1] == panels and unchanged(hit[2]):
+        if _still_valid(hit, owner, panels):
             return hit[3]
         args, children = build()
         # The fingerprint is taken after building: building materializes derived buffers.

@@ -279,16 +279,16 @@ class CpuBackend(TorchBackend):
             mlp, pre, post, gate = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, \
                 layer.post_feedforward_residual_gate
             w, tail = self.weights, (post.gain(), post.eps, *gate.coefficients_cached())
-            modules = ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm", "post_feedforward_residual_gate")
+            children = ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm", "post_feedforward_residual_gate")
             if op == "ffn_dense":
                 return (pre.gain(), pre.eps, w.linear(mlp.gate_proj), w.linear(mlp.up_proj), w.linear(mlp.down_proj),
-                        *tail), modules
+                        *tail), children
             moe: SparseMoeBlock = mlp
             router, experts = moe.gate, moe.experts
             return (pre.gain(), pre.eps, router.weight.float(), router.e_score_correction_bias.float(), router.top_k,
                     router.output_multiplier, router.routed_scaling_factor, w.linear(moe.pre_expert_proj),
                     moe.pre_expert_norm.gain(), *w.experts(experts), experts.post_expert_norm.gain(),
-                    w.linear(moe.post_expert_proj), *tail), modules
+                    w.linear(moe.post_expert_proj), *tail), children
         return self.args.get(op, layer, build)
 
     def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
