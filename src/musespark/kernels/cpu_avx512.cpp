@@ -36,7 +36,11 @@ inline float sum16(__m512 v) {
   return _mm_cvtss_f32(b);
 }
 
-// cpu_simd.h's prefetch_weight (this file includes no ATen header): NTA for a line read once.
+// Prefetches the weight line at p. `once`: no later tile of this call reads it again, so it
+// is fetched non-temporally, without pushing the caller's working set (the stream, the
+// interpreter's objects between calls) out of L2 and L3: a decode step reads hundreds of MiB
+// of weights once each (benchmarks/RESULTS.md, session 12). Where a line lands never changes
+// the values read. (The AVX2 kernels keep T0: no gain measured there.)
 inline void prefetch_weight(const void* p, bool once) {
   if (once)
     _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);

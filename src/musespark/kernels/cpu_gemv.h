@@ -46,7 +46,7 @@ constexpr int kNR = 4;
 // NR weight rows times MR input rows: NR*MR independent accumulators. y has row stride ldy.
 // Each row's line at byte offset `ahead` from the current one is prefetched.
 template <typename W, int NR, int MR>
-inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t ahead, bool once) {
+inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t ahead) {
   __m256 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) acc[n][m] = _mm256_setzero_ps();
@@ -62,7 +62,7 @@ inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, i
   int64_t k = 0;
   for (; k + L <= K; k += L) {
     for (int n = 0; n < NR; ++n)
-      musespark_simd::prefetch_weight(reinterpret_cast<const char*>(w + n * K + k) + ahead, once);
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + ahead, _MM_HINT_T0);
     for (int64_t j = 0; j < L; j += 8) step(k + j);
   }
   for (; k < K; k += 8) step(k);
@@ -75,7 +75,7 @@ inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, i
 // that fp32 models would carry into their logits; `benchmarks/fp32_exactness.py`). Each
 // element: two 4-lane double accumulators over K in order, summed at the end.
 template <int NR, int MR>
-inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead, bool once) {
+inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
   __m256d lo[NR][MR], hi[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) lo[n][m] = hi[n][m] = _mm256_setzero_pd();
@@ -98,7 +98,7 @@ inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ld
   int64_t k = 0;
   for (; k + L <= K; k += L) {
     for (int n = 0; n < NR; ++n)
-      musespark_simd::prefetch_weight(reinterpret_cast<const char*>(w + n * K + k) + ahead, once);
+      _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + ahead, _MM_HINT_T0);
     for (int64_t j = 0; j < L; j += 8) step(k + j);
   }
   for (; k < K; k += 8) step(k);
@@ -114,12 +114,11 @@ inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ld
 // bf16 weights, and fp32 weights against bf16 values (a bf16 model's fp32 router): the fp32
 // tile; fp32 weights in an fp32 model: the double-accumulating one.
 template <typename W, int NR, int MR>
-inline void tile_of(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t ahead, bool x_bf16,
-                    bool once) {
+inline void tile_of(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t ahead, bool x_bf16) {
   if constexpr (std::is_same_v<W, float>) {
-    if (!x_bf16) return tile<NR, MR>(x, K, w, y, ldy, ahead, once);
+    if (!x_bf16) return tile<NR, MR>(x, K, w, y, ldy, ahead);
   }
-  tile<W, NR, MR>(x, K, w, y, ldy, ahead, once);
+  tile<W, NR, MR>(x, K, w, y, ldy, ahead);
 }
 
 // Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x. With one row of
@@ -130,19 +129,18 @@ template <typename W>
 inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, float* y,
                         int64_t ldy, bool x_bf16) {
   if (M == 1) {
-    for (int64_t r = n0; r < std::min(n0 + kNR, N); ++r) tile_of<W, 1, 1>(x, K, w + r * K, y + r, ldy, kPrefetchBytes, x_bf16, true);
+    for (int64_t r = n0; r < std::min(n0 + kNR, N); ++r) tile_of<W, 1, 1>(x, K, w + r * K, y + r, ldy, kPrefetchBytes, x_bf16);
     return;
   }
   auto rows = [&](auto nr, const W* wt, float* yt) {
     constexpr int NR = decltype(nr)::value;
     const int64_t ahead = kPrefetchRows * K * static_cast<int64_t>(sizeof(W));
-    const bool once = M <= 3;  // one tile of x rows: no other reads these weight rows
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile_of<W, NR, 3>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16, once);
+    for (; m + 3 <= M; m += 3) tile_of<W, NR, 3>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
     if (m + 2 <= M) {
-      tile_of<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16, once);
+      tile_of<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
     } else if (m < M) {
-      tile_of<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16, once);
+      tile_of<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
     }
   };
   if (n0 + kNR <= N) {

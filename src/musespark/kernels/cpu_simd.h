@@ -10,18 +10,6 @@
 
 namespace musespark_simd {
 
-// Prefetches the weight line at p. `once`: no later tile of this call reads it again, so it
-// is fetched non-temporally, without pushing the caller's working set (the stream, the
-// interpreter's objects between calls) out of L2 and L3: a decode step reads hundreds of MiB
-// of weights once each (batch-1 decode ~1.05x, benchmarks/RESULTS.md session 12). Where the
-// line lands is the CPU's business; the values read never change.
-inline void prefetch_weight(const void* p, bool once) {
-  if (once)
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
-  else
-    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-}
-
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // bf16 is the top half of an fp32: widen 8 values with a shift.
