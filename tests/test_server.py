@@ -35,6 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """Runs in the server's child before exec: SIGINT back to its default action. A shell
+    starts background jobs (`make test &`) with SIGINT ignored, and an ignored signal stays
+    ignored across exec, so a server started from such a job could not be stopped by Ctrl-C;
+    a server started from a terminal can."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ServerProcess:
     def __init__(self, log_path: Path, *args: str) -> None:
         self.port = free_port()
@@ -44,7 +52,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "musespark", "serve", "--port", str(self.port), "--max-model-len",
              str(MAX_MODEL_LEN), "--disable-log-requests", "--uvicorn-log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, preexec_fn=_ctrl_c_as_in_a_terminal)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"server exited early: {log_path.read_text()[-3000:]}"
