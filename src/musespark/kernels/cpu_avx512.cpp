@@ -89,18 +89,19 @@ inline void rows_of_tile(const uint16_t* x, int64_t M, int64_t K, const uint16_t
                          int64_t prefetch) {
   const int64_t tiles = (M + kMR - 1) / kMR;
   const int64_t base = tiles ? M / tiles : 0, taller = tiles ? M % tiles : 0;
+  const bool once = tiles == 1;  // no other tile of x reads these weight rows
   int64_t m = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t h = base + (t < taller ? 1 : 0);
     const uint16_t* xt = x + m * K;
     float* yt = y + m * ldy;
     switch (h) {
-      case 6: tile<NR, 6>(xt, K, w, yt, ldy, prefetch, tiles == 1); break;
-      case 5: tile<NR, 5>(xt, K, w, yt, ldy, prefetch, tiles == 1); break;
-      case 4: tile<NR, 4>(xt, K, w, yt, ldy, prefetch, tiles == 1); break;
-      case 3: tile<NR, 3>(xt, K, w, yt, ldy, prefetch, tiles == 1); break;
-      case 2: tile<NR, 2>(xt, K, w, yt, ldy, prefetch, tiles == 1); break;
-      default: tile<NR, 1>(xt, K, w, yt, ldy, prefetch, tiles == 1); break;
+      case 6: tile<NR, 6>(xt, K, w, yt, ldy, prefetch, once); break;
+      case 5: tile<NR, 5>(xt, K, w, yt, ldy, prefetch, once); break;
+      case 4: tile<NR, 4>(xt, K, w, yt, ldy, prefetch, once); break;
+      case 3: tile<NR, 3>(xt, K, w, yt, ldy, prefetch, once); break;
+      case 2: tile<NR, 2>(xt, K, w, yt, ldy, prefetch, once); break;
+      default: tile<NR, 1>(xt, K, w, yt, ldy, prefetch, once); break;
     }
     m += h;
   }
@@ -239,6 +240,7 @@ void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
       // same in a tile of any height.
       const int64_t tiles = (M + kPanelMR - 1) / kPanelMR;
       const int64_t base = M / tiles, taller = M % tiles;
+      const bool once = tiles == 1;  // no other tile of x reads this chunk of the panel
       int64_t m = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t h = base + (t < taller ? 1 : 0);
@@ -248,12 +250,12 @@ void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
         // Packed weights come from memory in the first tile only: fetch them ahead.
         const int64_t ahead = packed && t == 0 ? kPanelAhead : 0;
         switch (h) {
-          case 6: panel_tile<6>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, tiles == 1); break;
-          case 5: panel_tile<5>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, tiles == 1); break;
-          case 4: panel_tile<4>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, tiles == 1); break;
-          case 3: panel_tile<3>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, tiles == 1); break;
-          case 2: panel_tile<2>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, tiles == 1); break;
-          default: panel_tile<1>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, tiles == 1); break;
+          case 6: panel_tile<6>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
+          case 5: panel_tile<5>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
+          case 4: panel_tile<4>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
+          case 3: panel_tile<3>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
+          case 2: panel_tile<2>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
+          default: panel_tile<1>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
         }
         m += h;
       }
