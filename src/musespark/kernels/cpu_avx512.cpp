@@ -423,8 +423,31 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// Scores of R query rows against NB consecutive blocks of 16 keys (kb: the first block's
+// packed keys): s[n][r] = q_r . k over each block's 16 keys, summed over the pairs of
+// dimensions in order. The NB x R sums are independent chains, so the vdpbf16ps latency
+// overlaps (one block of 4 rows is 4 chains; two blocks are 8); each sum is the same.
+template <int R, int NB>
+__attribute__((always_inline)) inline void block_scores(const uint16_t* const* qr, const uint16_t* kb,
+                                                        int64_t pairs, __m512 (&s)[2][R]) {
+  for (int n = 0; n < NB; ++n)
+    for (int r = 0; r < R; ++r) s[n][r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh kv[NB];
+    for (int n = 0; n < NB; ++n) kv[n] = (__m512bh)_mm512_loadu_si512(kb + (n * pairs + j) * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t qpair;
+      __builtin_memcpy(&qpair, qr[r] + 2 * j, 4);
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(qpair);
+      for (int n = 0; n < NB; ++n) s[n][r] = _mm512_dpbf16_ps(s[n][r], kv[n], qv);
+    }
+  }
+}
+
 // R query rows (consecutive tokens of one head) x CH chunks of 16 output dimensions
 // (D = 16 CH): the rows share every K and V load; their outputs stay in registers.
+// Blocks of 16 keys update the online softmax one at a time, in order; their scores are
+// computed two blocks at a time (block_scores).
 template <int R, int CH>
 void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp, const uint16_t* vp, int64_t m,
                  int64_t q0, int64_t k0, int64_t window, float scale, int64_t t, int rows, uint16_t* out) {
@@ -445,18 +468,8 @@ void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp
     sum[r] = _mm512_setzero_ps();
     for (int c = 0; c < CH; ++c) o[r][c] = _mm512_setzero_ps();
   }
-  for (int64_t b = k_lo / 16; b * 16 < k_hi; ++b) {
-    __m512 s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
-    const uint16_t* kb = kp + b * pairs * 32;
-    for (int64_t j = 0; j < pairs; ++j) {
-      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + j * 32);
-      for (int r = 0; r < R; ++r) {
-        int32_t qpair;
-        __builtin_memcpy(&qpair, qr[r] + 2 * j, 4);
-        s[r] = _mm512_dpbf16_ps(s[r], kv, (__m512bh)_mm512_set1_epi32(qpair));
-      }
-    }
+  // The online softmax and P V for block b, from its raw scores s.
+  auto update = [&](int64_t b, const __m512 (&s)[R]) __attribute__((always_inline)) {
     const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + b * 16)), lane);  // positions
     alignas(64) int32_t pp[R][8];  // each row's weights as bf16 pairs of keys
     for (int r = 0; r < R; ++r) {
@@ -465,8 +478,21 @@ void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp
       ok &= _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k0 + m)));
       if (window > 0) ok &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - window)));
       if (r >= rows) ok = 0;
+      if (ok == 0) {  // no key of this block: the row's state stays as it is (weights 0)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), _mm256_setzero_si256());
+        continue;
+      }
       const __m512 sc = _mm512_mask_mov_ps(neg_inf, ok, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
-      const __m512 nmax = _mm512_max_ps(mx[r], _mm512_set1_ps(_mm512_reduce_max_ps(sc)));
+      const float block_max = _mm512_reduce_max_ps(sc), old_max = _mm512_cvtss_f32(mx[r]);
+      if (block_max <= old_max && old_max > -__builtin_inff() && old_max < __builtin_inff()) {
+        // The running max stands: its correction would be exp(0) = 1 exactly, and scaling
+        // by it changes nothing, so it is skipped.
+        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(ok, exp16(_mm512_sub_ps(sc, mx[r]))));
+        sum[r] = _mm512_add_ps(sum[r], _mm512_cvtpbh_ps(pb));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)pb);
+        continue;
+      }
+      const __m512 nmax = _mm512_max_ps(mx[r], _mm512_set1_ps(block_max));
       // Nothing reachable yet: keep the row empty (exp of -inf - -inf would be NaN).
       const __mmask16 live = _mm512_cmp_ps_mask(nmax, neg_inf, _CMP_NEQ_OQ);
       const __m512 corr = _mm512_maskz_mov_ps(live & _mm512_cmp_ps_mask(mx[r], neg_inf, _CMP_NEQ_OQ),
@@ -487,6 +513,19 @@ void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp
         for (int r = 0; r < R; ++r) o[r][c] = _mm512_dpbf16_ps(o[r][c], vv, pv[r]);
       }
     }
+  };
+  const int64_t b_end = (k_hi + 15) / 16;
+  int64_t b = k_lo / 16;
+  for (; b + 1 < b_end; b += 2) {
+    __m512 s[2][R];
+    block_scores<R, 2>(qr, kp + b * pairs * 32, pairs, s);
+    update(b, s[0]);
+    update(b + 1, s[1]);
+  }
+  if (b < b_end) {
+    __m512 s[2][R];
+    block_scores<R, 1>(qr, kp + b * pairs * 32, pairs, s);
+    update(b, s[0]);
   }
   for (int r = 0; r < rows; ++r) {
     const float total = _mm512_reduce_add_ps(sum[r]);
