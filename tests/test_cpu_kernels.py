@@ -454,6 +454,39 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
 
 
 @needs_ops
+@pytest.mark.parametrize("T", [1, 4, 300])
+def test_moe_results_do_not_depend_on_the_thread_count(T, kernel_path):
+    """With several threads, bf16 experts on the AVX-512 path may run whole on one thread each
+    (gather, gate/up, SwiGLU, down: cpu_ffn_block.cpp whole_expert_order); with one, their
+    tiles run in turn. The same kernels run the same tiles either way, so every bit agrees,
+    for decode rows and for prompt rows (which take the panel kernel)."""
+    from musespark.layers.attention import AttentionContext
+
+    model = _random_model(seed=T, moe_hidden_size=64, moe_intermediate_size=96, num_local_experts=8,
+                          num_experts_per_tok=2)
+    _, native = _backends(model)
+    g = torch.Generator().manual_seed(T)
+    s = torch.randn(T, model.config.hidden_size, generator=g) * 3
+    sparse = [layer for layer in model.layers if type(layer.mlp).__name__ == "SparseMoeBlock"]
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                for layer in sparse:
+                    results[n, layer, "decode"] = native.moe_ffn(layer, s, torch.bfloat16)
+                    with native.step(AttentionContext.for_prompts([T])):
+                        results[n, layer, "prompt"] = native.moe_ffn(layer, s, torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    for (n, layer, rows), got in results.items():
+        if n == 2:
+            assert torch.equal(got, results[1, layer, rows]), (layer.self_attn.layer, rows)
+    assert not torch.equal(results[1, sparse[0], "decode"], results[1, sparse[1], "decode"])
+
+
+@needs_ops
 def test_the_cpu_backend_packs_dense_bf16_weights_for_the_avx512_path_only(kernel_path):
     """Dense bf16 linears and the head get their panels on the AVX-512 path (as many bytes
     again); expert weights never (they would double the model); fp32 weights and the AVX2

@@ -4,6 +4,8 @@
 
 #include "cpu_block.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -81,6 +83,35 @@ void route_row(const float* logits, const float* bias, int64_t E, int64_t top_k,
   for (j = 0; j < top_k; ++j) weights[j] = weights[j] / (sum + kRouterEps) * scaling;
 }
 
+// The experts with rows (start: the counting sort's bounds), costliest first, when each
+// thread can run whole experts: bf16 experts on the avx512_bf16 path with batch invariance
+// (musespark_gemv::run_job_here), several threads, and a greedy split of the experts over
+// the threads within 10 % of an even split of the work. Otherwise empty: the experts' tiles
+// are split across the threads (two regions, gate/up and down). Costs as split_tiles
+// counts them: (rows + kTileFixedRows) per element of the expert's two weights. Either way
+// every product runs the same kernels and tiles, so the results are the same.
+std::vector<int64_t> whole_expert_order(const std::vector<int64_t>& start, const Weight& gate_up,
+                                        const Weight& down, bool bf16) {
+  const int64_t threads = at::get_num_threads(), E = static_cast<int64_t>(start.size()) - 1;
+  if (threads < 2 || !bf16 || gate_up.nvfp4() || down.nvfp4() || gate_up.fp32 || down.fp32 ||
+      !musespark_isa::avx512_bf16() || !musespark_isa::batch_invariant())
+    return {};
+  std::vector<int64_t> order;
+  for (int64_t x = 0; x < E; ++x)
+    if (start[x + 1] > start[x]) order.push_back(x);
+  auto cost = [&](int64_t x) { return start[x + 1] - start[x] + musespark_gemv::kTileFixedRows; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::vector<int64_t> load(threads, 0);
+  int64_t total = 0;
+  for (int64_t x : order) {
+    *std::min_element(load.begin(), load.end()) += cost(x);
+    total += cost(x);
+  }
+  const int64_t makespan = *std::max_element(load.begin(), load.end());
+  if (static_cast<double>(makespan) > 1.1 * static_cast<double>(total) / static_cast<double>(threads)) return {};
+  return order;
+}
+
 // s [T, H] fp32 -> s' [T, H] fp32, the compressed MoE (SPEC §3):
 //   f = bf16(rms(s) * pre_gain);  route f (fp32 router, above);
 //   u = bf16(rms(bf16(f Wpre^T)) * expert_in_gain)                    pooler + pre-expert norm
@@ -146,29 +177,50 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
     for (int64_t a = 0; a < A; ++a) order[fill[ids[a]]++] = a;
   }
-  float *xs = scratch(kExpertIn, A * Hm), *gu = scratch(kGateUp, A * 2 * I), *act = scratch(kAct, A * I),
-        *ys = scratch(kExpertOut, A * Hm);
-  at::parallel_for(0, A, kRowGrain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) std::copy_n(u + (order[r] / top_k) * Hm, Hm, xs + r * Hm);
-  });
   std::vector<uint8_t> prompt_of;  // the prompt flag of each gathered row (its token's)
   if (prompt != nullptr) {
     prompt_of.resize(A);
     for (int64_t r = 0; r < A; ++r) prompt_of[r] = prompt[order[r] / top_k];
   }
-  std::vector<Job> up_jobs, down_jobs;
-  for (int64_t x = 0; x < E; ++x) {
-    const int64_t r0 = start[x], n = start[x + 1] - r0;
-    if (n == 0) continue;
-    const uint8_t* flags = prompt != nullptr ? prompt_of.data() + r0 : nullptr;
-    up_jobs.push_back(gate_up.job(xs + r0 * Hm, n, gu + r0 * 2 * I, 2 * I, bf16, x, flags));
-    down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x, flags));
+  float* ys = scratch(kExpertOut, A * Hm);
+  const std::vector<int64_t> whole = whole_expert_order(start, gate_up, down, bf16);
+  if (!whole.empty()) {
+    // Each thread runs whole experts, one at a time (the costliest first): gather its rows,
+    // gate/up, SwiGLU, down, with the intermediates in the thread's own scratch (cache-sized
+    // for one expert) and no barrier between the products.
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < static_cast<int64_t>(whole.size()); i = next++) {
+        const int64_t x = whole[i], r0 = start[x], n = start[x + 1] - r0;
+        const uint8_t* flags = prompt != nullptr ? prompt_of.data() + r0 : nullptr;
+        float *xs = scratch(kExpertIn, n * Hm), *gu = scratch(kGateUp, n * 2 * I), *act = scratch(kAct, n * I);
+        for (int64_t r = 0; r < n; ++r) std::copy_n(u + (order[r0 + r] / top_k) * Hm, Hm, xs + r * Hm);
+        musespark_gemv::run_job_here(gate_up.job(xs, n, gu, 2 * I, bf16, x, flags));
+        round_all(gu, n * 2 * I, bf16);
+        swiglu(gu, n, I, act, bf16);
+        musespark_gemv::run_job_here(down.job(act, n, ys + r0 * Hm, Hm, bf16, x, flags));
+        round_all(ys + r0 * Hm, n * Hm, bf16);
+      }
+    });
+  } else {
+    float *xs = scratch(kExpertIn, A * Hm), *gu = scratch(kGateUp, A * 2 * I), *act = scratch(kAct, A * I);
+    at::parallel_for(0, A, kRowGrain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) std::copy_n(u + (order[r] / top_k) * Hm, Hm, xs + r * Hm);
+    });
+    std::vector<Job> up_jobs, down_jobs;
+    for (int64_t x = 0; x < E; ++x) {
+      const int64_t r0 = start[x], n = start[x + 1] - r0;
+      if (n == 0) continue;
+      const uint8_t* flags = prompt != nullptr ? prompt_of.data() + r0 : nullptr;
+      up_jobs.push_back(gate_up.job(xs + r0 * Hm, n, gu + r0 * 2 * I, 2 * I, bf16, x, flags));
+      down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x, flags));
+    }
+    run_jobs(up_jobs);
+    round_all(gu, A * 2 * I, bf16);
+    swiglu(gu, A, I, act, bf16);
+    run_jobs(down_jobs);
+    round_all(ys, A * Hm, bf16);
   }
-  run_jobs(up_jobs);
-  round_all(gu, A * 2 * I, bf16);
-  swiglu(gu, A, I, act, bf16);
-  run_jobs(down_jobs);
-  round_all(ys, A * Hm, bf16);
   std::vector<int64_t> row_of(A);  // assignment -> its row in ys
   for (int64_t r = 0; r < A; ++r) row_of[order[r]] = r;
 

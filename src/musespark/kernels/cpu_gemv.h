@@ -376,6 +376,25 @@ inline void run_jobs(const std::vector<Job>& given) {
   });
 }
 
+// All of one bf16 job (`avx512()`) on the calling thread, for callers that split their work
+// into whole jobs across the threads themselves (inside their own parallel region). The same
+// kernels and tiles as run_jobs, so the same results; with batch invariance off, run_jobs
+// would hand prompt-sized products to oneDNN, so callers use this only when it is on.
+inline void run_job_here(const Job& given) {
+  TORCH_CHECK(given.avx512() && musespark_isa::batch_invariant(), "run_job_here: a bf16 job on the avx512_bf16 path");
+  thread_local std::vector<uint16_t> xb;
+  for (const Job& b : split_prompt_runs({given})) {
+    if (b.M == 0) continue;
+    if (static_cast<int64_t>(xb.size()) < b.M * b.K) xb.resize(b.M * b.K);
+    musespark_simd::to_bf16_bits(b.x, xb.data(), b.M * b.K);
+    const auto* w = static_cast<const uint16_t*>(b.w);
+    if (b.panels)
+      musespark_avx512::bf16_panels(xb.data(), b.M, b.K, w, 0, b.N, b.y, b.ldy, panel_scratch(), b.packed);
+    else
+      musespark_avx512::bf16_dots(xb.data(), b.M, b.K, w, 0, b.N, b.y, b.ldy);
+  }
+}
+
 // The ops' optional `prompt_rows` argument: bool or uint8 [T], true for a row that is a
 // token of its request's prompt (split_prompt_runs). Null when absent.
 inline const uint8_t* prompt_flags(const c10::optional<at::Tensor>& rows, int64_t T, const char* op) {
