@@ -454,16 +454,17 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
 
 
 @needs_ops
-@pytest.mark.parametrize("T", [1, 4, 300])
+@pytest.mark.parametrize("T", [1, 4, 600])
 def test_moe_results_do_not_depend_on_the_thread_count(T, kernel_path):
     """With several threads, bf16 experts on the AVX-512 path may run whole on one thread each
-    (gather, gate/up, SwiGLU, down: cpu_ffn_block.cpp whole_expert_order); with one, their
-    tiles run in turn. The same kernels run the same tiles either way, so every bit agrees,
-    for decode rows and for prompt rows (which take the panel kernel)."""
+    (gather, gate/up, SwiGLU, down: cpu_ffn_block.cpp whole_expert_tasks; an expert of over
+    256 rows as several tasks, which 600 tokens x 4 of 8 experts make); with one thread,
+    their tiles run in turn. Each row meets the same kernel and tiles either way, so every
+    bit agrees, for decode rows and for prompt rows (which take the panel kernel)."""
     from musespark.layers.attention import AttentionContext
 
     model = _random_model(seed=T, moe_hidden_size=64, moe_intermediate_size=96, num_local_experts=8,
-                          num_experts_per_tok=2)
+                          num_experts_per_tok=4)
     _, native = _backends(model)
     g = torch.Generator().manual_seed(T)
     s = torch.randn(T, model.config.hidden_size, generator=g) * 3

@@ -83,33 +83,46 @@ void route_row(const float* logits, const float* bias, int64_t E, int64_t top_k,
   for (j = 0; j < top_k; ++j) weights[j] = weights[j] / (sum + kRouterEps) * scaling;
 }
 
-// The experts with rows (start: the counting sort's bounds), costliest first, when each
-// thread can run whole experts: bf16 experts on the avx512_bf16 path with batch invariance
-// (musespark_gemv::run_job_here), several threads, and a greedy split of the experts over
-// the threads within 10 % of an even split of the work. Otherwise empty: the experts' tiles
-// are split across the threads (two regions, gate/up and down). Costs as split_tiles
-// counts them: (rows + kTileFixedRows) per element of the expert's two weights. Either way
-// every product runs the same kernels and tiles, so the results are the same.
-std::vector<int64_t> whole_expert_order(const std::vector<int64_t>& start, const Weight& gate_up,
-                                        const Weight& down, bool bf16) {
+// Rows [r0, r0 + n) of the gathered rows, all of expert x.
+struct ExpertTask {
+  int64_t x, r0, n;
+};
+constexpr int64_t kTaskRows = 256;  // an expert with more rows splits into near-equal tasks of at most this many
+
+// The experts' rows as tasks for whole-expert threads (start: the counting sort's bounds),
+// costliest first, when each thread can run its tasks alone: bf16 experts on the avx512_bf16
+// path with batch invariance (musespark_gemv::run_job_here), several threads, and a greedy
+// split of the tasks over the threads within 10 % of an even split of the work. Otherwise
+// empty: the experts' tiles are split across the threads (two regions, gate/up and down).
+// A task costs (rows + kTileFixedRows) per element of the expert's weights, as split_tiles
+// counts. Either way each row is multiplied by the same kernel and tiles (rows are computed
+// alone), so the results are the same.
+std::vector<ExpertTask> whole_expert_tasks(const std::vector<int64_t>& start, const Weight& gate_up,
+                                           const Weight& down, bool bf16) {
   const int64_t threads = at::get_num_threads(), E = static_cast<int64_t>(start.size()) - 1;
   if (threads < 2 || !bf16 || gate_up.nvfp4() || down.nvfp4() || gate_up.fp32 || down.fp32 ||
       !musespark_isa::avx512_bf16() || !musespark_isa::batch_invariant())
     return {};
-  std::vector<int64_t> order;
-  for (int64_t x = 0; x < E; ++x)
-    if (start[x + 1] > start[x]) order.push_back(x);
-  auto cost = [&](int64_t x) { return start[x + 1] - start[x] + musespark_gemv::kTileFixedRows; };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::vector<ExpertTask> tasks;
+  for (int64_t x = 0; x < E; ++x) {
+    const int64_t n = start[x + 1] - start[x], pieces = (n + kTaskRows - 1) / kTaskRows;
+    for (int64_t p = 0, r = start[x]; p < pieces; ++p) {
+      const int64_t rows = n / pieces + (p < n % pieces ? 1 : 0);
+      tasks.push_back({x, r, rows});
+      r += rows;
+    }
+  }
+  auto cost = [](const ExpertTask& t) { return t.n + musespark_gemv::kTileFixedRows; };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const ExpertTask& a, const ExpertTask& b) { return cost(a) > cost(b); });
   std::vector<int64_t> load(threads, 0);
   int64_t total = 0;
-  for (int64_t x : order) {
-    *std::min_element(load.begin(), load.end()) += cost(x);
-    total += cost(x);
+  for (const ExpertTask& t : tasks) {
+    *std::min_element(load.begin(), load.end()) += cost(t);
+    total += cost(t);
   }
   const int64_t makespan = *std::max_element(load.begin(), load.end());
   if (static_cast<double>(makespan) > 1.1 * static_cast<double>(total) / static_cast<double>(threads)) return {};
-  return order;
+  return tasks;
 }
 
 // s [T, H] fp32 -> s' [T, H] fp32, the compressed MoE (SPEC §3):
@@ -183,15 +196,15 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     for (int64_t r = 0; r < A; ++r) prompt_of[r] = prompt[order[r] / top_k];
   }
   float* ys = scratch(kExpertOut, A * Hm);
-  const std::vector<int64_t> whole = whole_expert_order(start, gate_up, down, bf16);
-  if (!whole.empty()) {
-    // Each thread runs whole experts, one at a time (the costliest first): gather its rows,
-    // gate/up, SwiGLU, down, with the intermediates in the thread's own scratch (cache-sized
-    // for one expert) and no barrier between the products.
+  const std::vector<ExpertTask> tasks = whole_expert_tasks(start, gate_up, down, bf16);
+  if (!tasks.empty()) {
+    // Each thread takes the next task (the costliest first) and runs it whole: gather its
+    // rows, gate/up, SwiGLU, down, with the intermediates in the thread's own scratch
+    // (cache-sized: at most kTaskRows rows) and no barrier between the products.
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      for (int64_t i = next++; i < static_cast<int64_t>(whole.size()); i = next++) {
-        const int64_t x = whole[i], r0 = start[x], n = start[x + 1] - r0;
+      for (int64_t i = next++; i < static_cast<int64_t>(tasks.size()); i = next++) {
+        const int64_t x = tasks[i].x, r0 = tasks[i].r0, n = tasks[i].n;
         const uint8_t* flags = prompt != nullptr ? prompt_of.data() + r0 : nullptr;
         float *xs = scratch(kExpertIn, n * Hm), *gu = scratch(kGateUp, n * 2 * I), *act = scratch(kAct, n * I);
         for (int64_t r = 0; r < n; ++r) std::copy_n(u + (order[r0 + r] / top_k) * Hm, Hm, xs + r * Hm);
