@@ -284,6 +284,16 @@ inline uint32_t* panel_scratch() {
   return reinterpret_cast<uint32_t*>((addr + 63) / 64 * 64);
 }
 
+// Weight rows [n0, n1) of a bf16 job (`avx512()`), x given as bf16 bits: the panel kernel
+// for panel jobs (split_prompt_runs), else the dot-product kernel (which chunks x itself).
+inline void bf16_rows(const Job& b, const uint16_t* xb, int64_t n0, int64_t n1) {
+  const auto* w = static_cast<const uint16_t*>(b.w);
+  if (b.panels)
+    musespark_avx512::bf16_panels(xb, b.M, b.K, w, n0, n1, b.y, b.ldy, panel_scratch(), b.packed);
+  else
+    musespark_avx512::bf16_dots(xb, b.M, b.K, w, n0, n1, b.y, b.ldy);
+}
+
 // Runs several products in one parallel region (one thread wake-up, one stream of weight
 // tiles split across threads: each thread reads its own contiguous slice once).
 // Without batch invariance (cpu_isa.h), bf16 products of at least this many rows go to
@@ -359,12 +369,8 @@ inline void run_jobs(const std::vector<Job>& given) {
         const int64_t n1 = std::min(b.N, (t_end - first[j]) * b.tile_rows());
         if (b.nvfp4())
           nvfp4_rows(b, q, j, n0, n1);
-        else if (b.panels)
-          musespark_avx512::bf16_panels(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1,
-                                        b.y, b.ldy, panel_scratch(), b.packed);
-        else  // bf16_dots chunks x by itself
-          musespark_avx512::bf16_dots(xb[which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1,
-                                      b.y, b.ldy);
+        else
+          bf16_rows(b, xb[which[j]].data(), n0, n1);
         t = t_end - 1;
         continue;
       }
@@ -387,11 +393,7 @@ inline void run_job_here(const Job& given) {
     if (b.M == 0) continue;
     if (static_cast<int64_t>(xb.size()) < b.M * b.K) xb.resize(b.M * b.K);
     musespark_simd::to_bf16_bits(b.x, xb.data(), b.M * b.K);
-    const auto* w = static_cast<const uint16_t*>(b.w);
-    if (b.panels)
-      musespark_avx512::bf16_panels(xb.data(), b.M, b.K, w, 0, b.N, b.y, b.ldy, panel_scratch(), b.packed);
-    else
-      musespark_avx512::bf16_dots(xb.data(), b.M, b.K, w, 0, b.N, b.y, b.ldy);
+    bf16_rows(b, xb.data(), 0, b.N);
   }
 }
 
