@@ -11,7 +11,8 @@ path of a layer, and it is the same for every backend:
 `s` is the fp32 residual stream [T, H]; `dtype` is the model's activation dtype (what the
 reference rounds to between steps). Each step takes the module that owns the weights (a
 `DecoderLayer`, its `Attention`, the model), never loose tensors. The torch backend is the
-reference every other backend is tested against (tests/test_backends.py).
+reference every other backend is tested against (tests/test_backends.py). A backend may
+also offer `decode_layers`: all layers of a step in one call, the same bits as this loop.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class Backend(ABC):
         """Wraps one forward over the batch `ctx` describes (the model enters it around its
         layers): a backend that picks kernels per row (ctx.prompt_rows) reads the batch here."""
         yield
+
+    def decode_layers(self, model: "MuseSparkForCausalLM", s: torch.Tensor, positions: torch.Tensor,
+                      ctx: "AttentionContext", rope: dict, dtype: torch.dtype) -> torch.Tensor | None:
+        """Every decoder layer of `model` over `s` at once (the model calls this inside `step`,
+        before running its layers one by one): the stream after the last layer, the same bits
+        as `DecoderLayer.forward` layer by layer gives; or None (the default), and the model
+        runs its layers. A backend offers it for the steps where one call saves its overhead."""
+        return None
 
     @abstractmethod
     def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,31 @@ def unchanged(checks: list[_Check]) -> bool:
     return True
 
 
+# Module-tree changes anywhere in the process: a parameter, buffer or submodule registered,
+# replaced or set to None (nn.Module.__setattr__ and register_* call torch's global
+# registration hooks), counted once `count_structure_changes` has installed the hooks. The
+# decode plan (cpu_decode.py) compares this count instead of walking the model every step.
+_structure_changes = 0
+_hooks_installed = False
+
+
+def _changed(*_: Any) -> None:
+    global _structure_changes
+    _structure_changes += 1
+
+
+def count_structure_changes() -> int:
+    """The count of module-tree changes since the hooks were installed (here, at the first call)."""
+    global _hooks_installed
+    if not _hooks_installed:
+        for register in (nn.modules.module.register_module_parameter_registration_hook,
+                         nn.modules.module.register_module_buffer_registration_hook,
+                         nn.modules.module.register_module_module_registration_hook):
+            register(_changed)
+        _hooks_installed = True
+    return _structure_changes
+
+
 def _still_valid(hit: tuple | None, owner: nn.Module, panels: bool) -> bool:
     """Whether a cache entry (owner, panels, checks, args) was made for this owner and path
     and its fingerprint still holds."""
@@ -143,3 +168,8 @@ class StepArgs:
         # The fingerprint is taken after building: building materializes derived buffers.
         self._cache[(op, id(owner))] = (owner, panels, fingerprint(owner, children), args)
         return args
+
+    def checks(self, op: str, owner: nn.Module) -> list[_Check]:
+        """The fingerprint of the tuple `get(op, owner, ...)` returned last: while it holds,
+        `get` returns that same tuple (the decode plan, cpu_decode.py, holds it)."""
+        return self._cache[(op, id(owner))][2]

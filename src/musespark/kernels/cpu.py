@@ -32,10 +32,11 @@ from ..cpu_features import cpu_flags, isa
 
 logger = logging.getLogger(__name__)
 
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h", "cpu_isa.h", "cpu_nvfp4.h")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h", "cpu_isa.h", "cpu_nvfp4.h",
+                                                    "cpu_ops.h")]
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_attn_block.cpp", "cpu_ffn_block.cpp",
-                      "cpu_nvfp4.cpp", "cpu_avx512.cpp", "cpu_prefill_attention.cpp")]
+                      "cpu_nvfp4.cpp", "cpu_avx512.cpp", "cpu_prefill_attention.cpp", "cpu_decode_plan.cpp")]
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False

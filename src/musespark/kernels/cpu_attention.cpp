@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include "cpu_isa.h"
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -278,6 +279,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return decode_core(q, k_cache, v_cache, block_tables, seq_lens, window, scale);
 }
 
+}  // namespace
+
+namespace musespark_ops {  // entry point: cpu_ops.h
+
 // One decode step of a layer in one call: the new keys and values k, v [B, nKV, D] (the
 // cache's dtype) are written at slot_mapping [B] (flat slot = block * block_size + offset),
 // then every sequence's query q [B, nH, D] (the cache's dtype) attends as in
@@ -316,7 +321,7 @@ at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at:
   return rounded;
 }
 
-}  // namespace
+}  // namespace musespark_ops
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
@@ -327,5 +332,5 @@ TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("paged_decode_step", &paged_decode_step);
+  m.impl("paged_decode_step", &musespark_ops::paged_decode_step);
 }

@@ -3,13 +3,14 @@
 #include <torch/library.h>
 
 #include "cpu_block.h"
+#include "cpu_ops.h"
 
 #include <cmath>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace musespark_ops {  // entry points: cpu_ops.h
 
 using namespace musespark_block;
 
@@ -125,7 +126,7 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
   return residual(s, a, nullptr, static_cast<float>(post_eps), alpha, beta, bf16);
 }
 
-}  // namespace
+}  // namespace musespark_ops
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("attn_in(Tensor s, Tensor gain, float eps, Tensor[] wq, Tensor[] wk, Tensor[] wv, Tensor[] wg, int num_heads, "
@@ -136,6 +137,6 @@ TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
-  m.impl("attn_in", &attn_in);
-  m.impl("attn_out", &attn_out);
+  m.impl("attn_in", &musespark_ops::attn_in);
+  m.impl("attn_out", &musespark_ops::attn_out);
 }

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "cpu_block.h"
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +30,12 @@ void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
       }
   });
 }
+
+}  // namespace
+
+namespace musespark_ops {  // entry point: cpu_ops.h
+
+using namespace musespark_block;
 
 // s [T, H] fp32 -> s' [T, H] fp32, a dense SwiGLU MLP:
 //   f = bf16(rms(s) * pre_gain);  b = bf16(bf16(silu(bf16(f Wg^T)) * bf16(f Wu^T)) Wd^T);
@@ -58,6 +65,12 @@ Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::Tensor
   round_all(b, T * H, bf16);
   return residual(s, b, post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta, bf16);
 }
+
+}  // namespace musespark_ops
+
+namespace {
+
+using namespace musespark_block;
 
 // Router for one token: scores = sigmoid(logits * multiplier); the top_k experts by
 // scores + bias (ties: the lower id), returned in increasing id order with weights
@@ -124,6 +137,12 @@ std::vector<ExpertTask> whole_expert_tasks(const std::vector<int64_t>& start, co
   if (static_cast<double>(makespan) > 1.1 * static_cast<double>(total) / static_cast<double>(threads)) return {};
   return tasks;
 }
+
+}  // namespace
+
+namespace musespark_ops {  // entry point: cpu_ops.h
+
+using namespace musespark_block;
 
 // s [T, H] fp32 -> s' [T, H] fp32, the compressed MoE (SPEC §3):
 //   f = bf16(rms(s) * pre_gain);  route f (fp32 router, above);
@@ -257,7 +276,7 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
   return residual(s, b, post_gain.data_ptr<float>(), pe, alpha, beta, bf16);
 }
 
-}  // namespace
+}  // namespace musespark_ops
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("ffn_dense(Tensor s, Tensor pre_gain, float eps, Tensor[] w_gate, Tensor[] w_up, Tensor[] w_down, "
@@ -270,6 +289,6 @@ TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
-  m.impl("ffn_dense", &ffn_dense);
-  m.impl("ffn_moe", &ffn_moe);
+  m.impl("ffn_dense", &musespark_ops::ffn_dense);
+  m.impl("ffn_moe", &musespark_ops::ffn_moe);
 }

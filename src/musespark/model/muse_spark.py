@@ -8,7 +8,8 @@ the model dtype; weights and matmuls run in the model dtype; logits are float32.
 
 Modules hold weights (each linear and the experts through a weight format, `quant/`);
 the model's compute backend (`backends/`, chosen once by `load_model`) computes each step.
-`DecoderLayer.forward` is the one forward path of a layer, whatever the backend.
+`DecoderLayer.forward` is the one forward path of a layer, whatever the backend (a backend
+may run all layers of a step in one call, `Backend.decode_layers`, only with the same bits).
 """
 
 from __future__ import annotations
@@ -218,10 +219,16 @@ class MuseSparkForCausalLM(nn.Module):
         start, end = self.layer_range
         aux: list[torch.Tensor] = []
         with backend.step(ctx):
-            for i in range(start, end):
-                s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
-                if i in aux_layers:
-                    aux.append(s.to(torch.float32, copy=True))  # a copy: later layers may update s in place
+            # A backend may run every layer in one call (the same bits); else layer by layer.
+            whole = None if aux_layers or (start, end) != (0, len(self.layers)) else \
+                backend.decode_layers(self, s, positions, ctx, rope, dtype)
+            if whole is not None:
+                s = whole
+            else:
+                for i in range(start, end):
+                    s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
+                    if i in aux_layers:
+                        aux.append(s.to(torch.float32, copy=True))  # a copy: later layers may update s in place
         if not par.is_last_stage:
             par.send_next(s)
             return s  # not final: only the last stage normalizes and computes logits

@@ -1,0 +1,101 @@
+"""The cpu backend's decode plan: a pure decode step through every decoder layer in one native
+call (kernels/cpu_decode_plan.cpp) instead of four op calls per layer from Python.
+
+The plan holds, per layer, the argument tuples the layer-by-layer path passes to the fused
+ops (`CpuBackend._attn_in_args`, `_attn_out_args`, `_ffn_args`, cached in `StepArgs`) and the
+layer's KV cache. The native loop calls the functions behind those ops in the same order with
+the same arguments, so a step's stream is the same bits either way
+(tests/test_cpu_decode_plan.py). What it saves: ~2 ms of Python and dispatch per batch-1
+token on bench-small (benchmarks/RESULTS.md, session 14).
+
+It is rebuilt when what it was built from may have changed, checked each step without walking
+the model in Python (which, with the caches cold from a step's weights, costs ~0.4 ms):
+* a parameter, buffer or submodule was set anywhere in the process
+  (`cpu_args.count_structure_changes`, from torch's global registration hooks);
+* a tensor behind its arguments moved or was written in place (the native `stale`: each
+  one's address and write count; inference tensors keep no count and must not be written
+  in place, as for `StepArgs`);
+* the weight path (`WeightArgs.panels`), the step's dtype, KV caches or layer groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .cpu_args import count_structure_changes
+
+if TYPE_CHECKING:
+    from ..layers.attention import AttentionContext
+    from ..model.muse_spark import MuseSparkForCausalLM
+    from .cpu_backend import CpuBackend
+
+
+class DecodePlan:
+    """`run` is `DecoderLayer.forward` over every layer of a pure decode step (the caller,
+    `CpuBackend.decode_layers`, says when a step is one)."""
+
+    def __init__(self, backend: "CpuBackend") -> None:
+        self.backend = backend
+        self.builds = 0  # how many times a plan was built (tests: reuse and rebuilds)
+        self._native: Any = None
+        self._key: tuple = ()
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rope_layers: list[int] = []  # one layer per rotary base: run's tables, in order
+
+    def run(self, model: "MuseSparkForCausalLM", s: torch.Tensor, positions: torch.Tensor,
+            ctx: "AttentionContext", rope: dict, dtype: torch.dtype) -> torch.Tensor:
+        """s [B, H] fp32, one new token per sequence -> the stream after the last layer.
+        The rotary tables go through `rope` as in the layer-by-layer path."""
+        assert ctx.kv_caches is not None and ctx.groups is not None and ctx.layer_group is not None
+        native = self._current(model, ctx, dtype)
+        tables = [model.layers[i].self_attn.rotary(positions, rope, ctx.max_position) for i in self._rope_layers]
+        return native.run(s, [t[0] for t in tables], [t[1] for t in tables],
+                          [g.slot_mapping for g in ctx.groups], [g.block_tables for g in ctx.groups],
+                          ctx.seq_lens_tensor(s.device), dtype == torch.bfloat16, self.backend._prompt(s))
+
+    def _current(self, model: "MuseSparkForCausalLM", ctx: "AttentionContext", dtype: torch.dtype) -> Any:
+        caches = ctx.kv_caches
+        assert caches is not None and ctx.layer_group is not None
+        key = (id(model), dtype, self.backend.weights.panels, tuple(ctx.layer_group), count_structure_changes())
+        if (self._native is not None and key == self._key and len(caches) == len(self._caches)
+                and all(a is b for a, b in zip(caches, self._caches)) and not self._native.stale()):
+            return self._native
+        self._native = None  # a failed build leaves no stale plan behind
+        native = self._build(model, ctx, dtype)
+        # The key after building: building may materialize derived buffers (a structure change).
+        key = (*key[:-1], count_structure_changes())
+        self._native, self._key, self._caches = native, key, list(caches)
+        self.builds += 1
+        return native
+
+    def _build(self, model: "MuseSparkForCausalLM", ctx: "AttentionContext", dtype: torch.dtype) -> Any:
+        backend, caches, layer_group = self.backend, ctx.kv_caches, ctx.layer_group
+        assert caches is not None and layer_group is not None
+        native = torch.classes.musespark_cpu.DecodePlan()
+        sources: dict[int, torch.Tensor] = {}
+        bases: dict[float, int] = {}
+        self._rope_layers = []
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            if attn.rope_theta is None:
+                rope = -1
+            else:
+                if attn.rope_theta not in bases:
+                    bases[attn.rope_theta] = len(self._rope_layers)
+                    self._rope_layers.append(i)
+                rope = bases[attn.rope_theta]
+            k_cache, v_cache = caches[attn.layer]
+            if not k_cache.dtype == v_cache.dtype == dtype:
+                raise ValueError(f"DecodePlan: layer {i}'s KV cache is {k_cache.dtype}/{v_cache.dtype}, "
+                                 f"the step's activations {dtype}")
+            ffn = "ffn_moe" if layer.is_sparse else "ffn_dense"
+            native.set_attn_in(i, *backend._attn_in_args(layer), rope)
+            native.set_attention(i, k_cache, v_cache, layer_group[attn.layer], attn.window or 0, attn.scale)
+            native.set_attn_out(i, *backend._attn_out_args(layer))
+            getattr(native, "set_" + ffn)(i, *backend._ffn_args(ffn, layer))
+            for op in ("attn_in", "attn_out", ffn):  # the tensors the argument caches' fingerprints hold
+                sources.update((id(obj), obj) for _, _, obj, ptr, _ in backend.args.checks(op, layer) if ptr is not None)
+        native.watch(list(sources.values()))
+        return native

@@ -1,0 +1,187 @@
+// A decode step through all of a model's decoder layers in one native call.
+//
+// `DecodePlan` (torch.classes.musespark_cpu.DecodePlan; built and kept valid by
+// backends/cpu_decode.py) holds each layer's arguments for attn_in, paged_decode_step,
+// attn_out and ffn_dense or ffn_moe: the tuples the layer-by-layer path passes to those ops
+// (backends/cpu_backend.py). `run` calls the functions behind the ops (cpu_ops.h) in the
+// same order with the same arguments, so its stream is bit for bit the layer-by-layer one.
+//
+// Why: at batch 1 the weights of a step stream in ~8 ms on bench-small, and the ~50 op calls
+// around them cost ~2 ms more in Python: argument conversion and dispatch (5-10 µs per call)
+// and the model's and the backend's glue, while the other threads wait
+// (benchmarks/RESULTS.md, session 14). Here that is one call per step.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+using Tensors = std::vector<Tensor>;
+
+// One decoder layer's arguments, in each op's schema order (cpu_attn_block.cpp,
+// cpu_attention.cpp, cpu_ffn_block.cpp). `rope` and `group` index `run`'s per-step lists.
+struct Layer {
+  bool has_in = false, has_attention = false, has_out = false, has_ffn = false;
+  // attn_in; rope: the index of this layer's (cos, sin) in run's lists, -1 for none (NoPE)
+  Tensor in_gain;
+  double in_eps = 0, qk_scale = 0;
+  Tensors wq, wk, wv, wg;
+  int64_t heads = 0, kv_heads = 0, rope = -1;
+  // paged_decode_step; group: the index of this layer's slot mapping and block tables
+  Tensor k_cache, v_cache;
+  int64_t group = 0, window = 0;
+  double scale = 0;
+  // attn_out
+  Tensors wo;
+  double o_eps = 0, o_post_eps = 0;
+  Tensor o_alpha, o_beta;
+  // ffn_dense (sparse false) or ffn_moe (sparse true): pre-norm, weights, post-norm, gate
+  bool sparse = false;
+  Tensor pre_gain, post_gain, f_alpha, f_beta;
+  double pre_eps = 0, post_eps = 0;
+  Tensors w_gate, w_up, w_down;  // dense
+  Tensor router, bias, expert_in_gain, expert_out_gain;  // sparse
+  int64_t top_k = 0;
+  double multiplier = 0, scaling = 0;
+  Tensors w_pre, gate_up, down, w_post;
+};
+
+// A tensor the plan's arguments were made from (a weight, a norm's weight under a derived
+// gain), with its address and in-place write count (inference tensors keep none: -1) then.
+struct Source {
+  Tensor t;
+  const void* ptr;
+  int64_t version;
+};
+
+int64_t version_of(const Tensor& t) { return t.is_inference() ? -1 : static_cast<int64_t>(t._version()); }
+
+struct DecodePlan : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  std::vector<Source> sources;
+
+  // Whether some source moved (`.to()`, a swapped storage) or was written in place since
+  // `watch`: then the arguments made from it are stale. One pass over a few hundred tensors,
+  // without Python (backends/cpu_decode.py checks module and parameter replacement itself).
+  bool stale() const {
+    for (const Source& w : sources)
+      if (w.t.data_ptr() != w.ptr || version_of(w.t) != w.version) return true;
+    return false;
+  }
+
+  Layer& layer(int64_t i) {
+    TORCH_CHECK(i >= 0 && i < 4096, "DecodePlan: layer index ", i, " out of range");
+    if (i >= static_cast<int64_t>(layers.size())) layers.resize(static_cast<size_t>(i) + 1);
+    return layers[static_cast<size_t>(i)];
+  }
+
+  // s [B, H] fp32, one decode row per sequence -> the stream after the last layer.
+  // cos, sin: the step's rotary tables [B, D] fp32 (Layer::rope indexes them); slot_mappings
+  // [B] and block_tables [B, n] int64 per KV group (Layer::group indexes them); seq_lens [B].
+  Tensor run(Tensor s, const Tensors& cos, const Tensors& sin, const Tensors& slot_mappings,
+             const Tensors& block_tables, const Tensor& seq_lens, bool bf16,
+             const std::optional<Tensor>& prompt_rows) const {
+    TORCH_CHECK(!layers.empty(), "DecodePlan.run: the plan has no layers");
+    TORCH_CHECK(cos.size() == sin.size(), "DecodePlan.run: cos and sin must be lists of the same length");
+    TORCH_CHECK(slot_mappings.size() == block_tables.size(),
+                "DecodePlan.run: slot_mappings and block_tables must be lists of the same length");
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& L = layers[i];
+      TORCH_CHECK(L.has_in && L.has_attention && L.has_out && L.has_ffn, "DecodePlan.run: layer ", i,
+                  " is missing some of attn_in, attention, attn_out, ffn");
+      TORCH_CHECK(L.rope < static_cast<int64_t>(cos.size()), "DecodePlan.run: layer ", i, " reads rotary table ",
+                  L.rope, " of ", cos.size());
+      TORCH_CHECK(L.group < static_cast<int64_t>(slot_mappings.size()), "DecodePlan.run: layer ", i,
+                  " reads KV group ", L.group, " of ", slot_mappings.size());
+    }
+    for (const Layer& L : layers) {
+      std::optional<Tensor> c, sn;
+      if (L.rope >= 0) c = cos[L.rope], sn = sin[L.rope];
+      auto [q, k, v, g] = musespark_ops::attn_in(s, L.in_gain, L.in_eps, L.wq, L.wk, L.wv, L.wg, L.heads,
+                                                 L.kv_heads, L.qk_scale, c, sn, bf16, prompt_rows);
+      Tensor k_cache = L.k_cache, v_cache = L.v_cache;  // handles: the op writes through them
+      Tensor o = musespark_ops::paged_decode_step(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                                  slot_mappings[L.group], block_tables[L.group], seq_lens,
+                                                  L.window, L.scale);
+      s = musespark_ops::attn_out(s, o.contiguous(), g, L.wo, L.o_eps, L.o_alpha, L.o_beta, L.o_post_eps,
+                                  prompt_rows);
+      if (L.sparse)
+        s = musespark_ops::ffn_moe(s, L.pre_gain, L.pre_eps, L.router, L.bias, L.top_k, L.multiplier, L.scaling,
+                                   L.w_pre, L.expert_in_gain, L.gate_up, L.down, L.expert_out_gain, L.w_post,
+                                   L.post_gain, L.post_eps, L.f_alpha, L.f_beta, bf16, prompt_rows);
+      else
+        s = musespark_ops::ffn_dense(s, L.pre_gain, L.pre_eps, L.w_gate, L.w_up, L.w_down, L.post_gain,
+                                     L.post_eps, L.f_alpha, L.f_beta, bf16, prompt_rows);
+    }
+    return s;
+  }
+};
+
+using Plan = c10::intrusive_ptr<DecodePlan>;
+
+}  // namespace
+
+// Each setter takes the layer index, then its op's arguments between the activations and the
+// trailing flags (the tuples backends/cpu_backend.py builds), then the plan's indices.
+TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<>())
+      .def("num_layers", [](const Plan& self) { return static_cast<int64_t>(self->layers.size()); })
+      .def("watch",
+           [](const Plan& self, Tensors sources) {
+             for (const Tensor& t : sources) self->sources.push_back({t, t.data_ptr(), version_of(t)});
+           })
+      .def("stale", [](const Plan& self) { return self->stale(); })
+      .def("set_attn_in",
+           [](const Plan& self, int64_t i, Tensor gain, double eps, Tensors wq, Tensors wk, Tensors wv, Tensors wg,
+              int64_t heads, int64_t kv_heads, double qk_scale, int64_t rope) {
+             Layer& L = self->layer(i);
+             L.in_gain = gain, L.in_eps = eps, L.wq = wq, L.wk = wk, L.wv = wv, L.wg = wg;
+             L.heads = heads, L.kv_heads = kv_heads, L.qk_scale = qk_scale, L.rope = rope;
+             L.has_in = true;
+           })
+      .def("set_attention",
+           [](const Plan& self, int64_t i, Tensor k_cache, Tensor v_cache, int64_t group, int64_t window,
+              double scale) {
+             TORCH_CHECK(group >= 0, "DecodePlan.set_attention: group must be >= 0, got ", group);
+             Layer& L = self->layer(i);
+             L.k_cache = k_cache, L.v_cache = v_cache, L.group = group, L.window = window, L.scale = scale;
+             L.has_attention = true;
+           })
+      .def("set_attn_out",
+           [](const Plan& self, int64_t i, Tensors wo, double eps, Tensor alpha, Tensor beta, double post_eps) {
+             Layer& L = self->layer(i);
+             L.wo = wo, L.o_eps = eps, L.o_alpha = alpha, L.o_beta = beta, L.o_post_eps = post_eps;
+             L.has_out = true;
+           })
+      .def("set_ffn_dense",
+           [](const Plan& self, int64_t i, Tensor pre_gain, double eps, Tensors w_gate, Tensors w_up, Tensors w_down,
+              Tensor post_gain, double post_eps, Tensor alpha, Tensor beta) {
+             Layer& L = self->layer(i);
+             L.sparse = false, L.pre_gain = pre_gain, L.pre_eps = eps, L.w_gate = w_gate, L.w_up = w_up;
+             L.w_down = w_down, L.post_gain = post_gain, L.post_eps = post_eps, L.f_alpha = alpha, L.f_beta = beta;
+             L.has_ffn = true;
+           })
+      .def("set_ffn_moe",
+           [](const Plan& self, int64_t i, Tensor pre_gain, double eps, Tensor router, Tensor bias, int64_t top_k,
+              double multiplier, double scaling, Tensors w_pre, Tensor expert_in_gain, Tensors gate_up, Tensors down,
+              Tensor expert_out_gain, Tensors w_post, Tensor post_gain, double post_eps, Tensor alpha, Tensor beta) {
+             Layer& L = self->layer(i);
+             L.sparse = true, L.pre_gain = pre_gain, L.pre_eps = eps, L.router = router, L.bias = bias;
+             L.top_k = top_k, L.multiplier = multiplier, L.scaling = scaling, L.w_pre = w_pre;
+             L.expert_in_gain = expert_in_gain, L.gate_up = gate_up, L.down = down;
+             L.expert_out_gain = expert_out_gain, L.w_post = w_post, L.post_gain = post_gain, L.post_eps = post_eps;
+             L.f_alpha = alpha, L.f_beta = beta;
+             L.has_ffn = true;
+           })
+      .def("run", [](const Plan& self, Tensor s, Tensors cos, Tensors sin, Tensors slot_mappings, Tensors block_tables,
+                     Tensor seq_lens, bool bf16, std::optional<Tensor> prompt_rows) {
+        return self->run(std::move(s), cos, sin, slot_mappings, block_tables, seq_lens, bf16, prompt_rows);
+      });
+}
