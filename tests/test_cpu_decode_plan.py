@@ -116,6 +116,26 @@ def test_the_plan_gives_the_layer_by_layer_bits(dtype, kernel_path):
 
 
 @needs_ops
+def test_the_plan_gives_the_layer_by_layer_bits_on_nvfp4_weights(tmp_path, kernel_path):
+    """Weight-only NVFP4 linears and experts (the bundled model quantized, every linear but the
+    head) reach the fused blocks as [codes, scales, global scales]: the plan passes them on."""
+    import musespark
+    from musespark.cli import main as cli_main
+    from musespark.engine.args import bundled_model_path
+
+    dst = tmp_path / "nvfp4"
+    assert cli_main(["quantize", "--format", "nvfp4", str(bundled_model_path()), str(dst), "--scope", "linear",
+                     "--calibration-prompts", "2"]) == 0
+    model = musespark.load_model(dst, backend="cpu")
+    assert model.backend.fused_blocks and type(model.layers[1].mlp.experts.format).__name__ == "Nvfp4Experts"
+    plan, builds = _run(model, plan=True)
+    layers, _ = _run(model, plan=False)
+    assert builds == 1
+    for i, (a, b) in enumerate(zip(plan, layers)):
+        assert torch.equal(a, b), f"step {i}: largest difference {(a - b).abs().max()}"
+
+
+@needs_ops
 def test_the_plan_follows_changed_weights_caches_and_modules(kernel_path):
     """Rebuilt when a weight is written in place, a module replaced, or the KV caches are new;
     reused otherwise. After each change its step equals the layer-by-layer one."""
