@@ -1,6 +1,6 @@
 """The cpu backend's decode plan (backends/cpu_decode.py, kernels/cpu_decode_plan.cpp): a pure
-decode step through every layer in one native call must give the layer-by-layer path's bits,
-and must follow the model and the step it was built for."""
+decode step of the whole model in one native call must give the step-by-step path's bits, and
+must follow the model and the step it was built for."""
 
 import copy
 
@@ -137,8 +137,9 @@ def test_the_plan_gives_the_layer_by_layer_bits_on_nvfp4_weights(tmp_path, kerne
 
 @needs_ops
 def test_the_plan_follows_changed_weights_caches_and_modules(kernel_path):
-    """Rebuilt when a weight is written in place, a module replaced, or the KV caches are new;
-    reused otherwise. After each change its step equals the layer-by-layer one."""
+    """Rebuilt when a weight is written in place, a module replaced (a layer's, the final
+    norm), or the KV caches are new; reused otherwise. After each change its step equals the
+    step-by-step one."""
     model = _model(torch.bfloat16, seed=1)
     backend = model.backend
     d = Decoder(model, [list(range(3, 10))], steps=8)
@@ -172,8 +173,15 @@ def test_the_plan_follows_changed_weights_caches_and_modules(kernel_path):
         model.layers[3].post_feedforward_layernorm = twin  # a module replaced
     check_step()
     assert plan.builds == 3
+    with torch.no_grad():
+        final = copy.deepcopy(model.norm)
+        final.weight.mul_(-1.5)
+        final.materialize()
+        model.norm = final  # the final norm replaced (the plan holds its gain)
+    check_step()
+    assert plan.builds == 4
     d = d.fork()  # new caches, same contents
     check_step()
-    assert plan.builds == 4
+    assert plan.builds == 5
     check_step()
-    assert plan.builds == 4
+    assert plan.builds == 5

@@ -12,7 +12,7 @@ path of a layer, and it is the same for every backend:
 reference rounds to between steps). Each step takes the module that owns the weights (a
 `DecoderLayer`, its `Attention`, the model), never loose tensors. The torch backend is the
 reference every other backend is tested against (tests/test_backends.py). A backend may
-also offer `decode_layers`: all layers of a step in one call, the same bits as this loop.
+also offer `decode_forward`: a whole step in one call, the same bits as these steps.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ class Backend(ABC):
         layers): a backend that picks kernels per row (ctx.prompt_rows) reads the batch here."""
         yield
 
-    def decode_layers(self, model: "MuseSparkForCausalLM", s: torch.Tensor, positions: torch.Tensor,
-                      ctx: "AttentionContext", rope: dict, dtype: torch.dtype) -> torch.Tensor | None:
-        """Every decoder layer of `model` over `s` at once (the model calls this inside `step`,
-        before running its layers one by one): the stream after the last layer, the same bits
-        as `DecoderLayer.forward` layer by layer gives; or None (the default), and the model
-        runs its layers. A backend offers it for the steps where one call saves its overhead."""
+    def decode_forward(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor, positions: torch.Tensor,
+                       ctx: "AttentionContext", rope: dict, dtype: torch.dtype) -> torch.Tensor | None:
+        """The model's whole forward in one go (it calls this inside `step` first): the final
+        norm's output y, the same bits as `embed`, `DecoderLayer.forward` layer by layer and
+        `final_norm` give; or None (the default), and the model runs those steps. A backend
+        offers it for the steps where one call saves its overhead."""
         return None
 
     @abstractmethod

@@ -187,8 +187,8 @@ class CpuBackend(TorchBackend):
         self.weights = WeightArgs(ops)
         self.args = StepArgs(self.weights)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
-        # Pure decode steps run every layer in one native call (cpu_decode.py): the same bits.
-        # False: layer by layer (for comparisons).
+        # Pure decode steps run in one native call (cpu_decode.py): the same bits.
+        # False: step by step (for comparisons).
         self.use_decode_plan = True
         self.decode_plan = DecodePlan(self)
 
@@ -210,17 +210,17 @@ class CpuBackend(TorchBackend):
         rows = self._prompt_rows
         return rows if rows is not None and rows.shape[0] == s.shape[0] else None
 
-    def decode_layers(self, model: "MuseSparkForCausalLM", s: torch.Tensor, positions: torch.Tensor,
-                      ctx: AttentionContext, rope: dict, dtype: torch.dtype) -> torch.Tensor | None:
+    def decode_forward(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor, positions: torch.Tensor,
+                       ctx: AttentionContext, rope: dict, dtype: torch.dtype) -> torch.Tensor | None:
         """A pure decode step (one new row per sequence, no speculative rows) of a model in
         one process whose layers all take the fused blocks and the native decode attention
-        (the paths `attn_in` ... `moe_ffn` below would take): the decode plan."""
-        if not (self.use_decode_plan and self.fused_blocks and self.native_decode and _fused_dtype(dtype, s.shape[0])
-                and s.shape[0] == ctx.num_seqs > 0 and not ctx.row_wise and ctx.kv_caches is not None
-                and ctx.groups is not None and ctx.layer_group is not None and model.parallel.world_size == 1
-                and all(k.dtype == v.dtype == dtype for k, v in ctx.kv_caches)):
+        (the paths `attn_in` ... `final_norm` below would take): the decode plan."""
+        if not (self.use_decode_plan and self.fused_blocks and self.native_decode
+                and _fused_dtype(dtype, input_ids.shape[0]) and input_ids.shape[0] == ctx.num_seqs > 0
+                and not ctx.row_wise and ctx.kv_caches is not None and ctx.groups is not None
+                and ctx.layer_group is not None and all(k.dtype == v.dtype == dtype for k, v in ctx.kv_caches)):
             return None
-        return self.decode_plan.run(model, s, positions, ctx, rope, dtype)
+        return self.decode_plan.run(model, input_ids, positions, ctx, rope, dtype)
 
     def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
         x = model.embed_tokens(input_ids)

@@ -1,12 +1,13 @@
-"""The cpu backend's decode plan: a pure decode step through every decoder layer in one native
-call (kernels/cpu_decode_plan.cpp) instead of four op calls per layer from Python.
+"""The cpu backend's decode plan: a pure decode step of the whole model (embedding norm, every
+decoder layer, final norm) in one native call (kernels/cpu_decode_plan.cpp) instead of four
+op calls per layer from Python.
 
-The plan holds, per layer, the argument tuples the layer-by-layer path passes to the fused
-ops (`CpuBackend._attn_in_args`, `_attn_out_args`, `_ffn_args`, cached in `StepArgs`) and the
-layer's KV cache. The native loop calls the functions behind those ops in the same order with
-the same arguments, so a step's stream is the same bits either way
-(tests/test_cpu_decode_plan.py). What it saves: ~2 ms of Python and dispatch per batch-1
-token on bench-small (benchmarks/RESULTS.md, session 14).
+The plan holds, per layer, the argument tuples the step-by-step path passes to the fused ops
+(`CpuBackend._attn_in_args`, `_attn_out_args`, `_ffn_args`, cached in `StepArgs`) and the
+layer's KV cache, and the embedding's and final norm's arguments. The native loop calls the
+functions behind those ops in the same order with the same arguments, so a step's output is
+the same bits either way (tests/test_cpu_decode_plan.py). What it saves: ~2 ms of Python and
+dispatch per batch-1 token on bench-small (benchmarks/RESULTS.md, session 14).
 
 It is rebuilt when what it was built from may have changed, checked each step without walking
 the model in Python (which, with the caches cold from a step's weights, costs ~0.4 ms):
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
 
 
 class DecodePlan:
-    """`run` is `DecoderLayer.forward` over every layer of a pure decode step (the caller,
-    `CpuBackend.decode_layers`, says when a step is one)."""
+    """`run` is the model's forward over a pure decode step (the caller,
+    `CpuBackend.decode_forward`, says when a step is one)."""
 
     def __init__(self, backend: "CpuBackend") -> None:
         self.backend = backend
@@ -43,17 +44,21 @@ class DecodePlan:
         self._key: tuple = ()
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rope_layers: list[int] = []  # one layer per rotary base: run's tables, in order
+        self._embeds = False  # whether the native plan embeds (a bf16 embedding)
 
-    def run(self, model: "MuseSparkForCausalLM", s: torch.Tensor, positions: torch.Tensor,
+    def run(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor, positions: torch.Tensor,
             ctx: "AttentionContext", rope: dict, dtype: torch.dtype) -> torch.Tensor:
-        """s [B, H] fp32, one new token per sequence -> the stream after the last layer.
-        The rotary tables go through `rope` as in the layer-by-layer path."""
+        """input_ids [B], one new token per sequence -> the final norm's output [B, H] in `dtype`.
+        The rotary tables go through `rope` as in the step-by-step path."""
         assert ctx.kv_caches is not None and ctx.groups is not None and ctx.layer_group is not None
         native = self._current(model, ctx, dtype)
+        # A bf16 embedding is looked up and normed natively; another goes the backend's way.
+        first = input_ids if self._embeds else self.backend.embed(model, input_ids)
         tables = [model.layers[i].self_attn.rotary(positions, rope, ctx.max_position) for i in self._rope_layers]
-        return native.run(s, [t[0] for t in tables], [t[1] for t in tables],
+        return native.run(first, [t[0] for t in tables], [t[1] for t in tables],
                           [g.slot_mapping for g in ctx.groups], [g.block_tables for g in ctx.groups],
-                          ctx.seq_lens_tensor(s.device), dtype == torch.bfloat16, self.backend._prompt(s))
+                          ctx.seq_lens_tensor(positions.device), dtype == torch.bfloat16,
+                          self.backend._prompt(input_ids))
 
     def _current(self, model: "MuseSparkForCausalLM", ctx: "AttentionContext", dtype: torch.dtype) -> Any:
         caches = ctx.kv_caches
@@ -97,5 +102,12 @@ class DecodePlan:
             getattr(native, "set_" + ffn)(i, *backend._ffn_args(ffn, layer))
             for op in ("attn_in", "attn_out", ffn):  # the tensors the argument caches' fingerprints hold
                 sources.update((id(obj), obj) for _, _, obj, ptr, _ in backend.args.checks(op, layer) if ptr is not None)
+        embedding, norm = model.embed_tokens.weight, model.norm
+        self._embeds = embedding.dtype == torch.bfloat16  # CpuBackend.embed's native case
+        if self._embeds:
+            native.set_embedding(embedding, model.config.rms_norm_eps)
+            sources[id(embedding)] = embedding
+        native.set_final_norm(norm.gain(), norm.eps)
+        sources.update((id(t), t) for t in (norm.weight, norm.gain()))
         native.watch(list(sources.values()))
         return native

@@ -1,15 +1,17 @@
-// A decode step through all of a model's decoder layers in one native call.
+// A decode step of a whole model in one native call: embedding norm, every decoder layer,
+// final norm.
 //
 // `DecodePlan` (torch.classes.musespark_cpu.DecodePlan; built and kept valid by
 // backends/cpu_decode.py) holds each layer's arguments for attn_in, paged_decode_step,
-// attn_out and ffn_dense or ffn_moe: the tuples the layer-by-layer path passes to those ops
-// (backends/cpu_backend.py). `run` calls the functions behind the ops (cpu_ops.h) in the
-// same order with the same arguments, so its stream is bit for bit the layer-by-layer one.
+// attn_out and ffn_dense or ffn_moe: the tuples the step-by-step path passes to those ops
+// (backends/cpu_backend.py), and the embedding and final norm's. `run` calls the functions
+// behind the ops (cpu_ops.h) in the same order with the same arguments, so its output is bit
+// for bit the step-by-step one.
 //
-// Why: at batch 1 the weights of a step stream in ~8 ms on bench-small, and the ~50 op calls
+// Why: at batch 1 the weights of a step stream in ~7 ms on bench-small, and the ~50 op calls
 // around them cost ~2 ms more in Python: argument conversion and dispatch (5-10 µs per call)
-// and the model's and the backend's glue, while the other threads wait
-// (benchmarks/RESULTS.md, session 14). Here that is one call per step.
+// and the model's and the backend's glue, all slow with the caches cold from the weights,
+// while the other threads wait (benchmarks/RESULTS.md, session 14). Here that is one call.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -65,6 +67,10 @@ int64_t version_of(const Tensor& t) { return t.is_inference() ? -1 : static_cast
 struct DecodePlan : torch::CustomClassHolder {
   std::vector<Layer> layers;
   std::vector<Source> sources;
+  // The embedding [V, H] bf16 and its norm's eps (undefined: the caller embeds, `run` takes
+  // the stream); the final norm's gain [H] fp32 and eps.
+  Tensor embedding, final_gain;
+  double embed_eps = 0, final_eps = 0;
 
   // Whether some source moved (`.to()`, a swapped storage) or was written in place since
   // `watch`: then the arguments made from it are stale. One pass over a few hundred tensors,
@@ -81,13 +87,15 @@ struct DecodePlan : torch::CustomClassHolder {
     return layers[static_cast<size_t>(i)];
   }
 
-  // s [B, H] fp32, one decode row per sequence -> the stream after the last layer.
-  // cos, sin: the step's rotary tables [B, D] fp32 (Layer::rope indexes them); slot_mappings
-  // [B] and block_tables [B, n] int64 per KV group (Layer::group indexes them); seq_lens [B].
-  Tensor run(Tensor s, const Tensors& cos, const Tensors& sin, const Tensors& slot_mappings,
+  // One decode row per sequence: `input` is the token ids [B] int64 if the plan embeds
+  // (set_embedding), else the stream [B, H] fp32 -> the final norm's output y [B, H] in the
+  // model's dtype (bf16 or fp32). cos, sin: the step's rotary tables [B, D] fp32
+  // (Layer::rope indexes them); slot_mappings [B] and block_tables [B, n] int64 per KV group
+  // (Layer::group indexes them); seq_lens [B].
+  Tensor run(const Tensor& input, const Tensors& cos, const Tensors& sin, const Tensors& slot_mappings,
              const Tensors& block_tables, const Tensor& seq_lens, bool bf16,
              const std::optional<Tensor>& prompt_rows) const {
-    TORCH_CHECK(!layers.empty(), "DecodePlan.run: the plan has no layers");
+    TORCH_CHECK(!layers.empty() && final_gain.defined(), "DecodePlan.run: the plan has no layers or no final norm");
     TORCH_CHECK(cos.size() == sin.size(), "DecodePlan.run: cos and sin must be lists of the same length");
     TORCH_CHECK(slot_mappings.size() == block_tables.size(),
                 "DecodePlan.run: slot_mappings and block_tables must be lists of the same length");
@@ -100,6 +108,11 @@ struct DecodePlan : torch::CustomClassHolder {
       TORCH_CHECK(L.group < static_cast<int64_t>(slot_mappings.size()), "DecodePlan.run: layer ", i,
                   " reads KV group ", L.group, " of ", slot_mappings.size());
     }
+    // The embedding norm: RMS without weight, to the fp32 stream (CpuBackend.embed).
+    Tensor s = embedding.defined()
+                   ? musespark_ops::rms_norm(at::embedding(embedding, input), std::nullopt, embed_eps, false, 1.0,
+                                             at::kFloat)
+                   : input;
     for (const Layer& L : layers) {
       std::optional<Tensor> c, sn;
       if (L.rope >= 0) c = cos[L.rope], sn = sin[L.rope];
@@ -119,7 +132,7 @@ struct DecodePlan : torch::CustomClassHolder {
         s = musespark_ops::ffn_dense(s, L.pre_gain, L.pre_eps, L.w_gate, L.w_up, L.w_down, L.post_gain,
                                      L.post_eps, L.f_alpha, L.f_beta, bf16, prompt_rows);
     }
-    return s;
+    return musespark_ops::rms_norm(s, final_gain, final_eps, false, 1.0, bf16 ? at::kBFloat16 : at::kFloat);
   }
 };
 
@@ -138,6 +151,14 @@ TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
              for (const Tensor& t : sources) self->sources.push_back({t, t.data_ptr(), version_of(t)});
            })
       .def("stale", [](const Plan& self) { return self->stale(); })
+      .def("set_embedding",
+           [](const Plan& self, Tensor weight, double eps) {
+             TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+                         "DecodePlan.set_embedding: weight must be bfloat16 [V, H]");
+             self->embedding = weight, self->embed_eps = eps;
+           })
+      .def("set_final_norm",
+           [](const Plan& self, Tensor gain, double eps) { self->final_gain = gain, self->final_eps = eps; })
       .def("set_attn_in",
            [](const Plan& self, int64_t i, Tensor gain, double eps, Tensors wq, Tensors wk, Tensors wv, Tensors wg,
               int64_t heads, int64_t kv_heads, double qk_scale, int64_t rope) {
@@ -180,8 +201,8 @@ TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
              L.f_alpha = alpha, L.f_beta = beta;
              L.has_ffn = true;
            })
-      .def("run", [](const Plan& self, Tensor s, Tensors cos, Tensors sin, Tensors slot_mappings, Tensors block_tables,
-                     Tensor seq_lens, bool bf16, std::optional<Tensor> prompt_rows) {
-        return self->run(std::move(s), cos, sin, slot_mappings, block_tables, seq_lens, bf16, prompt_rows);
+      .def("run", [](const Plan& self, Tensor input, Tensors cos, Tensors sin, Tensors slot_mappings,
+                     Tensors block_tables, Tensor seq_lens, bool bf16, std::optional<Tensor> prompt_rows) {
+        return self->run(input, cos, sin, slot_mappings, block_tables, seq_lens, bf16, prompt_rows);
       });
 }

@@ -9,11 +9,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_rows.h"
 
 #include <vector>
 
-namespace {
+namespace musespark_ops {  // entry point: cpu_ops.h
 
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, double eps, bool input_scaled,
                     double scale, at::ScalarType out_dtype) {
@@ -55,12 +56,12 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, 
   return y;
 }
 
-}  // namespace
+}  // namespace musespark_ops
 
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor? gain, float eps, bool input_scaled, float scale, ScalarType out_dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm", &musespark_ops::rms_norm);
 }

@@ -1,6 +1,6 @@
 // The decoder-step entry points the decode plan (cpu_decode_plan.cpp) calls directly, without
 // the dispatcher: the same functions the ops of the same names run (their formulas and checks
-// are at their definitions: cpu_attn_block.cpp, cpu_ffn_block.cpp, cpu_attention.cpp).
+// are at their definitions: cpu_attn_block.cpp, cpu_ffn_block.cpp, cpu_norm.cpp, cpu_attention.cpp).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -29,6 +29,9 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
                const Tensor& expert_out_gain, at::TensorList post_expert_proj, const Tensor& post_gain,
                double post_eps, const Tensor& alpha, const Tensor& beta, bool bf16,
                const c10::optional<Tensor>& prompt_rows);
+
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, double eps, bool input_scaled,
+                    double scale, at::ScalarType out_dtype);
 
 at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                              at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,

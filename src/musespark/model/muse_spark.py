@@ -9,7 +9,7 @@ the model dtype; weights and matmuls run in the model dtype; logits are float32.
 Modules hold weights (each linear and the experts through a weight format, `quant/`);
 the model's compute backend (`backends/`, chosen once by `load_model`) computes each step.
 `DecoderLayer.forward` is the one forward path of a layer, whatever the backend (a backend
-may run all layers of a step in one call, `Backend.decode_layers`, only with the same bits).
+may run a whole step in one call, `Backend.decode_forward`, only with the same bits).
 """
 
 from __future__ import annotations
@@ -211,24 +211,23 @@ class MuseSparkForCausalLM(nn.Module):
         dtype, backend, par = self.dtype, self._active_backend(), self.parallel
         if aux_layers and par.pp_size > 1:
             raise ValueError("aux_layers is not supported with pipeline parallelism")
-        if par.is_first_stage:
-            s = backend.embed(self, input_ids)  # fp32 stream
-        else:
-            s = par.recv_prev((input_ids.shape[0], self.config.hidden_size), input_ids.device)
         rope: Rope = {}
         start, end = self.layer_range
         aux: list[torch.Tensor] = []
         with backend.step(ctx):
-            # A backend may run every layer in one call (the same bits); else layer by layer.
-            whole = None if aux_layers or (start, end) != (0, len(self.layers)) else \
-                backend.decode_layers(self, s, positions, ctx, rope, dtype)
-            if whole is not None:
-                s = whole
+            # A backend may run the whole step in one call, with the same bits (Backend.decode_forward).
+            y = None if aux_layers or par.world_size > 1 else \
+                backend.decode_forward(self, input_ids, positions, ctx, rope, dtype)
+            if y is not None:
+                return y
+            if par.is_first_stage:
+                s = backend.embed(self, input_ids)  # fp32 stream
             else:
-                for i in range(start, end):
-                    s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
-                    if i in aux_layers:
-                        aux.append(s.to(torch.float32, copy=True))  # a copy: later layers may update s in place
+                s = par.recv_prev((input_ids.shape[0], self.config.hidden_size), input_ids.device)
+            for i in range(start, end):
+                s = self.layers[i].forward(s, positions, ctx, rope, backend, dtype)  # direct: no hook dispatch
+                if i in aux_layers:
+                    aux.append(s.to(torch.float32, copy=True))  # a copy: later layers may update s in place
         if not par.is_last_stage:
             par.send_next(s)
             return s  # not final: only the last stage normalizes and computes logits
