@@ -77,7 +77,7 @@ struct DecodePlan : torch::CustomClassHolder {
   // without Python (backends/cpu_decode.py checks module and parameter replacement itself).
   bool stale() const {
     for (const Source& w : sources)
-      if (w.t.data_ptr() != w.ptr || version_of(w.t) != w.version) return true;
+      if (w.t.const_data_ptr() != w.ptr || version_of(w.t) != w.version) return true;
     return false;
   }
 
@@ -148,7 +148,7 @@ TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
       .def("num_layers", [](const Plan& self) { return static_cast<int64_t>(self->layers.size()); })
       .def("watch",
            [](const Plan& self, Tensors sources) {
-             for (const Tensor& t : sources) self->sources.push_back({t, t.data_ptr(), version_of(t)});
+             for (const Tensor& t : sources) self->sources.push_back({t, t.const_data_ptr(), version_of(t)});
            })
       .def("stale", [](const Plan& self) { return self->stale(); })
       .def("set_embedding",
