@@ -65,7 +65,8 @@ class DecodePlan:
         assert caches is not None and ctx.layer_group is not None
         key = (id(model), dtype, self.backend.weights.panels, tuple(ctx.layer_group), count_structure_changes())
         if (self._native is not None and key == self._key and len(caches) == len(self._caches)
-                and all(a is b for a, b in zip(caches, self._caches)) and not self._native.stale()):
+                and all(a is b or (a[0] is b[0] and a[1] is b[1]) for a, b in zip(caches, self._caches))
+                and not self._native.stale()):
             return self._native
         self._native = None  # a failed build leaves no stale plan behind
         native = self._build(model, ctx, dtype)
