@@ -69,14 +69,14 @@ class DecodePlan:
                 and not self._native.stale()):
             return self._native
         self._native = None  # a failed build leaves no stale plan behind
-        native = self._build(model, ctx, dtype)
+        native = self._build(model, ctx)
         # The key after building: building may materialize derived buffers (a structure change).
         key = (*key[:-1], count_structure_changes())
         self._native, self._key, self._caches = native, key, list(caches)
         self.builds += 1
         return native
 
-    def _build(self, model: "MuseSparkForCausalLM", ctx: "AttentionContext", dtype: torch.dtype) -> Any:
+    def _build(self, model: "MuseSparkForCausalLM", ctx: "AttentionContext") -> Any:
         backend, caches, layer_group = self.backend, ctx.kv_caches, ctx.layer_group
         assert caches is not None and layer_group is not None
         native = torch.classes.musespark_cpu.DecodePlan()
@@ -92,10 +92,7 @@ class DecodePlan:
                     bases[attn.rope_theta] = len(self._rope_layers)
                     self._rope_layers.append(i)
                 rope = bases[attn.rope_theta]
-            k_cache, v_cache = caches[attn.layer]
-            if not k_cache.dtype == v_cache.dtype == dtype:
-                raise ValueError(f"DecodePlan: layer {i}'s KV cache is {k_cache.dtype}/{v_cache.dtype}, "
-                                 f"the step's activations {dtype}")
+            k_cache, v_cache = caches[attn.layer]  # of the step's dtype (CpuBackend.decode_forward)
             ffn = "ffn_moe" if layer.is_sparse else "ffn_dense"
             native.set_attn_in(i, *backend._attn_in_args(layer), rope)
             native.set_attention(i, k_cache, v_cache, layer_group[attn.layer], attn.window or 0, attn.scale)
@@ -108,7 +105,8 @@ class DecodePlan:
         if self._embeds:
             native.set_embedding(embedding, model.config.rms_norm_eps)
             sources[id(embedding)] = embedding
-        native.set_final_norm(norm.gain(), norm.eps)
-        sources.update((id(t), t) for t in (norm.weight, norm.gain()))
+        gain = norm.gain()
+        native.set_final_norm(gain, norm.eps)
+        sources.update((id(t), t) for t in (norm.weight, gain))
         native.watch(list(sources.values()))
         return native

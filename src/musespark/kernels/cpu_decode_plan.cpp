@@ -145,7 +145,6 @@ using Plan = c10::intrusive_ptr<DecodePlan>;
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<>())
-      .def("num_layers", [](const Plan& self) { return static_cast<int64_t>(self->layers.size()); })
       .def("watch",
            [](const Plan& self, Tensors sources) {
              for (const Tensor& t : sources) self->sources.push_back({t, t.const_data_ptr(), version_of(t)});
