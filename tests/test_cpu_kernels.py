@@ -59,6 +59,30 @@ def test_a_row_never_depends_on_its_batch(kernel_path):
 
 
 @needs_ops
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_products_split_across_threads_give_the_one_thread_bits(wdtype, kernel_path):
+    """A product's tiles start out split between the threads and the first thread done takes
+    chunks from the back of the other's share (cpu_gemv.h TileRange), so which thread runs a
+    tile changes from run to run: every run must still give every element the bits one
+    thread gives, with no tile lost or run twice into the wrong place."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(3001, 264, generator=g).to(wdtype)
+    packed = cpu.pack_panels(w) if wdtype == torch.bfloat16 and kernel_path == "avx512_bf16" else None
+    cases = [(torch.randn(M, 264, generator=g).to(wdtype), rows) for M, rows in
+             ((1, None), (3, None), (70, torch.ones(70, dtype=torch.bool)), (9, torch.arange(9) % 2 == 0))]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [ops.linear_small_m(x, w, rows, packed) for x, rows in cases]
+        torch.set_num_threads(2)
+        for _ in range(10):
+            for (x, rows), want in zip(cases, alone):
+                assert torch.equal(ops.linear_small_m(x, w, rows, packed), want), (kernel_path, x.shape[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_ops
 @pytest.mark.parametrize("M,N,K", [(1, 1, 8), (3, 70, 40), (6, 64, 64), (13, 129, 1032), (70, 200, 2056)])
 def test_prompt_rows_are_as_accurate_as_torch_and_never_depend_on_their_batch(M, N, K, kernel_path):
     """Prompt rows (`prompt_rows` true) take the panel kernel on the AVX-512 path

@@ -22,6 +22,7 @@
 #include "cpu_simd.h"
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -294,8 +295,9 @@ inline void bf16_rows(const Job& b, const uint16_t* xb, int64_t n0, int64_t n1) 
     musespark_avx512::bf16_dots(xb, b.M, b.K, w, n0, n1, b.y, b.ldy);
 }
 
-// Runs several products in one parallel region (one thread wake-up, one stream of weight
-// tiles split across threads: each thread reads its own contiguous slice once).
+// run_jobs runs several products in one parallel region (one thread wake-up, one stream of
+// weight tiles split across threads: each thread reads its own contiguous slice, and the
+// first done takes the last chunks of the others': TileRange).
 // Without batch invariance (cpu_isa.h), bf16 products of at least this many rows go to
 // oneDNN's bf16 GEMM (at::mm; AMX tiles where the CPU has them) instead of bf16_dots.
 constexpr int64_t kOnednnMinRows = 64;
@@ -310,8 +312,8 @@ inline void onednn_job(const Job& b, std::vector<uint16_t>& xb) {
   at::from_blob(b.y, {b.M, b.N}, {b.ldy, 1}, at::TensorOptions().dtype(at::kFloat)).copy_(y);
 }
 
-// The tiles [bounds[p], bounds[p + 1]) of each of `parts` contiguous parts, of near-equal
-// cost: a tile of job j costs K (kTileFixedRows + M), its weight reads counted as that many
+// The tiles [bounds[p], bounds[p + 1]) of each of `parts` contiguous parts (the threads'
+// starting shares), of near-equal cost: a tile of job j costs K (kTileFixedRows + M), its weight reads counted as that many
 // rows of x (jobs of one call differ in M: the experts of a MoE). Where a tile runs never
 // changes what it computes.
 constexpr int64_t kTileFixedRows = 8;
@@ -332,6 +334,54 @@ inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std:
   }
   while (static_cast<int64_t>(bounds.size()) <= parts) bounds.push_back(first.back());
   return bounds;
+}
+
+// Work stealing between the parts of a region: part p's tiles [next, end) packed in one
+// atomic word. Its thread takes chunks from the front (one forward stream, as with a static
+// split); a thread whose own parts are done takes chunks from the back of the part with the
+// most tiles left. Why: the two vCPUs of the machines measured do not stream at one rate (one
+// often finished 15-20 % of a region's time early and waited: benchmarks/RESULTS.md, session
+// 16). Where a tile runs never changes what it computes, so no result changes.
+class TileRange {
+ public:
+  void reset(int64_t next, int64_t end) { v_.store(pack(next, end)); }
+  int64_t left() const {
+    const uint64_t x = v_.load(std::memory_order_relaxed);
+    return std::max<int64_t>(0, end_of(x) - next_of(x));
+  }
+  // Up to c tiles [a, b) from the front (the owner) or the back (a thief); false when empty.
+  bool take_front(int64_t c, int64_t& a, int64_t& b) { return take(c, true, a, b); }
+  bool take_back(int64_t c, int64_t& a, int64_t& b) { return take(c, false, a, b); }
+
+ private:
+  static uint64_t pack(int64_t next, int64_t end) { return (static_cast<uint64_t>(next) << 32) | static_cast<uint64_t>(end); }
+  static int64_t next_of(uint64_t x) { return static_cast<int64_t>(x >> 32); }
+  static int64_t end_of(uint64_t x) { return static_cast<int64_t>(x & 0xffffffffu); }
+  bool take(int64_t c, bool front, int64_t& a, int64_t& b) {
+    uint64_t x = v_.load();
+    for (;;) {
+      const int64_t n = next_of(x), e = end_of(x);
+      if (n >= e) return false;
+      const uint64_t rest = front ? pack(std::min(e, n + c), e) : pack(n, std::max(n, e - c));
+      if (v_.compare_exchange_weak(x, rest)) {
+        a = front ? n : end_of(rest), b = front ? next_of(rest) : e;
+        return true;
+      }
+    }
+  }
+  alignas(64) std::atomic<uint64_t> v_{0};  // one cache line per part: owners never contend
+};
+
+// Tiles per take: about kStealCost of work (split_tiles' units; 64 KiB of bf16 weights at one
+// row of x), at least one tile. Small enough that the last takes even out the parts, large
+// enough that each is one stretch of the weight stream.
+constexpr double kStealCost = 9.0 * 32768;
+inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
+  double cost = 0;
+  for (size_t j = 0; j < jobs.size(); ++j)
+    cost += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M) * jobs[j].tile_rows();
+  const double per_tile = cost / static_cast<double>(std::max<int64_t>(1, first.back()));
+  return std::max<int64_t>(1, static_cast<int64_t>(kStealCost / std::max(per_tile, 1.0)));
 }
 
 inline void run_jobs(const std::vector<Job>& given) {
@@ -356,8 +406,8 @@ inline void run_jobs(const std::vector<Job>& given) {
   const Nvfp4Inputs q = nvfp4_inputs(jobs);
   const std::vector<int64_t> bounds =
       split_tiles(jobs, first, weight_rows > kMinParallelRows ? at::get_num_threads() : 1);
-  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t t0 = bounds[p0], t1 = bounds[p1];
+  // Tiles [t0, t1) of the region, any range (run by whichever thread takes it).
+  auto run_tiles = [&](int64_t t0, int64_t t1) {
     if (t0 >= t1) return;
     size_t j = std::upper_bound(first.begin(), first.end(), t0) - first.begin() - 1;
     for (int64_t t = t0; t < t1; ++t) {
@@ -378,6 +428,23 @@ inline void run_jobs(const std::vector<Job>& given) {
         weight_tile(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), b.N, n0, b.y, b.ldy, b.x_bf16);
       else
         weight_tile(b.x, b.M, b.K, static_cast<const float*>(b.w), b.N, n0, b.y, b.ldy, b.x_bf16);
+    }
+  };
+  const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+  if (parts == 1) return run_tiles(bounds[0], bounds[1]);
+  std::vector<TileRange> ranges(parts);
+  for (int64_t p = 0; p < parts; ++p) ranges[p].reset(bounds[p], bounds[p + 1]);
+  const int64_t chunk = steal_chunk(jobs, first);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    int64_t a = 0, b = 0;
+    for (int64_t p = p0; p < p1; ++p)
+      while (ranges[p].take_front(chunk, a, b)) run_tiles(a, b);
+    for (;;) {  // then from the back of the part with the most tiles left
+      int64_t victim = -1, most = 0;
+      for (int64_t p = 0; p < parts; ++p)
+        if (ranges[p].left() > most) most = ranges[p].left(), victim = p;
+      if (victim < 0) break;
+      if (ranges[victim].take_back(chunk, a, b)) run_tiles(a, b);
     }
   });
 }
