@@ -313,9 +313,9 @@ inline void onednn_job(const Job& b, std::vector<uint16_t>& xb) {
 }
 
 // The tiles [bounds[p], bounds[p + 1]) of each of `parts` contiguous parts (the threads'
-// starting shares), of near-equal cost: a tile of job j costs K (kTileFixedRows + M), its weight reads counted as that many
-// rows of x (jobs of one call differ in M: the experts of a MoE). Where a tile runs never
-// changes what it computes.
+// starting shares), of near-equal cost: a tile of job j costs K (kTileFixedRows + M), its
+// weight reads counted as that many rows of x (jobs of one call differ in M: the experts of
+// a MoE). Where a tile runs never changes what it computes.
 constexpr int64_t kTileFixedRows = 8;
 constexpr int64_t kMinParallelRows = 16 * kNR;  // products of fewer weight rows run on the calling thread
 inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std::vector<int64_t>& first, int64_t parts) {
@@ -344,7 +344,11 @@ inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std:
 // 16). Where a tile runs never changes what it computes, so no result changes.
 class TileRange {
  public:
-  void reset(int64_t next, int64_t end) { v_.store(pack(next, end)); }
+  void reset(int64_t next, int64_t end) {
+    TORCH_CHECK(next >= 0 && end < (int64_t{1} << 32), "run_jobs: ", end,
+                " weight tiles in one call; at most 2^32 - 1 fit");
+    v_.store(pack(next, end));
+  }
   int64_t left() const {
     const uint64_t x = v_.load(std::memory_order_relaxed);
     return std::max<int64_t>(0, end_of(x) - next_of(x));
@@ -354,7 +358,9 @@ class TileRange {
   bool take_back(int64_t c, int64_t& a, int64_t& b) { return take(c, false, a, b); }
 
  private:
-  static uint64_t pack(int64_t next, int64_t end) { return (static_cast<uint64_t>(next) << 32) | static_cast<uint64_t>(end); }
+  static uint64_t pack(int64_t next, int64_t end) {
+    return (static_cast<uint64_t>(next) << 32) | static_cast<uint64_t>(end);
+  }
   static int64_t next_of(uint64_t x) { return static_cast<int64_t>(x >> 32); }
   static int64_t end_of(uint64_t x) { return static_cast<int64_t>(x & 0xffffffffu); }
   bool take(int64_t c, bool front, int64_t& a, int64_t& b) {
@@ -379,7 +385,8 @@ constexpr double kStealCost = 9.0 * 32768;
 inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
   double cost = 0;
   for (size_t j = 0; j < jobs.size(); ++j)
-    cost += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M) * jobs[j].tile_rows();
+    cost += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M) *
+            static_cast<double>(jobs[j].tile_rows());
   const double per_tile = cost / static_cast<double>(std::max<int64_t>(1, first.back()));
   return std::max<int64_t>(1, static_cast<int64_t>(kStealCost / std::max(per_tile, 1.0)));
 }
