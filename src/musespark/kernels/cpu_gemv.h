@@ -318,15 +318,21 @@ inline void onednn_job(const Job& b, std::vector<uint16_t>& xb) {
 // a MoE). Where a tile runs never changes what it computes.
 constexpr int64_t kTileFixedRows = 8;
 constexpr int64_t kMinParallelRows = 16 * kNR;  // products of fewer weight rows run on the calling thread
-inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std::vector<int64_t>& first, int64_t parts) {
+inline double tile_cost(const Job& b) {
+  return static_cast<double>(b.K) * static_cast<double>(kTileFixedRows + b.M) * static_cast<double>(b.tile_rows());
+}
+// The cost of all tiles of the jobs (first: each job's first tile, then the end).
+inline double total_cost(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
   double total = 0;
-  for (size_t j = 0; j < jobs.size(); ++j)
-    total += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M) *
-             static_cast<double>(jobs[j].tile_rows());
+  for (size_t j = 0; j < jobs.size(); ++j) total += static_cast<double>(first[j + 1] - first[j]) * tile_cost(jobs[j]);
+  return total;
+}
+inline std::vector<int64_t> split_tiles(const std::vector<Job>& jobs, const std::vector<int64_t>& first, int64_t parts) {
+  const double total = total_cost(jobs, first);
   std::vector<int64_t> bounds{0};
   double done = 0;
   for (size_t j = 0; j < jobs.size() && static_cast<int64_t>(bounds.size()) < parts; ++j) {
-    const double per = static_cast<double>(jobs[j].K) * (kTileFixedRows + jobs[j].M) * jobs[j].tile_rows();
+    const double per = tile_cost(jobs[j]);
     for (int64_t t = first[j]; t < first[j + 1] && static_cast<int64_t>(bounds.size()) < parts; ++t) {
       done += per;
       if (done >= total * static_cast<double>(bounds.size()) / static_cast<double>(parts)) bounds.push_back(t + 1);
@@ -383,11 +389,7 @@ class TileRange {
 // enough that each is one stretch of the weight stream.
 constexpr double kStealCost = 9.0 * 32768;
 inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
-  double cost = 0;
-  for (size_t j = 0; j < jobs.size(); ++j)
-    cost += static_cast<double>(first[j + 1] - first[j]) * jobs[j].K * (kTileFixedRows + jobs[j].M) *
-            static_cast<double>(jobs[j].tile_rows());
-  const double per_tile = cost / static_cast<double>(std::max<int64_t>(1, first.back()));
+  const double per_tile = total_cost(jobs, first) / static_cast<double>(std::max<int64_t>(1, first.back()));
   return std::max<int64_t>(1, static_cast<int64_t>(kStealCost / std::max(per_tile, 1.0)));
 }
 
@@ -449,7 +451,7 @@ inline void run_jobs(const std::vector<Job>& given) {
     for (;;) {  // then from the back of the part with the most tiles left
       int64_t victim = -1, most = 0;
       for (int64_t p = 0; p < parts; ++p)
-        if (ranges[p].left() > most) most = ranges[p].left(), victim = p;
+        if (const int64_t left = ranges[p].left(); left > most) most = left, victim = p;
       if (victim < 0) break;
       if (ranges[victim].take_back(chunk, a, b)) run_tiles(a, b);
     }
