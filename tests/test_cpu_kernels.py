@@ -148,6 +148,13 @@ def test_pack_panels_lays_out_each_weight_pair_where_the_kernel_reads_it():
         cpu.pack_panels(w.float())
     with pytest.raises(ValueError, match="K even"):
         cpu.pack_panels(torch.zeros(4, 5, dtype=torch.bfloat16))
+    experts = torch.randn(3, 70, 6, generator=g).bfloat16()  # [E, N, K]: each expert's panels in turn
+    packed = cpu.pack_panels(experts)
+    assert packed.shape == (3, 2, 3, 64) and packed.is_contiguous()
+    for e in range(3):
+        assert torch.equal(packed[e], cpu.pack_panels(experts[e])), e
+    with pytest.raises(ValueError, match="E, N, K"):
+        cpu.pack_panels(torch.zeros(2, 3, 4, 6, dtype=torch.bfloat16))
 
 
 @needs_ops
@@ -471,10 +478,11 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
             moved |= not torch.equal(prompt, decode)
             kinds.add((type(layer.mlp).__name__, layer.self_attn.window, layer.self_attn.rope_theta is None))
     assert len(kinds) >= 3  # dense and sparse; sliding and full; with and without rotary
-    # On the AVX-512 path the experts' prompt rows take the panel kernel, which sums in
-    # another order (the dense linears are packed: every row takes it): some bf16 value moves.
+    # On the AVX-512 path unpacked experts' prompt rows take the panel kernel, which sums in
+    # another order than their decode rows' (packed weights: every row takes it): some bf16
+    # value moves; with the experts packed too (cpu.expert_panels), nothing does.
     if T > 1:
-        assert moved == (kernel_path == "avx512_bf16"), (moved, kernel_path)
+        assert moved == (kernel_path == "avx512_bf16" and not native.weights.pack_experts), (moved, kernel_path)
 
 
 @needs_ops
@@ -514,10 +522,12 @@ def test_moe_results_do_not_depend_on_the_thread_count(T, kernel_path):
 @needs_ops
 def test_the_cpu_backend_packs_dense_bf16_weights_for_the_avx512_path_only(kernel_path):
     """Dense bf16 linears and the head get their panels on the AVX-512 path (as many bytes
-    again); expert weights never (they would double the model); fp32 weights and the AVX2
-    path keep [weight] alone."""
+    again); expert weights only as MUSESPARK_EXPERT_PANELS says (tested below); fp32
+    weights and the AVX2 path keep [weight] alone."""
     model = _random_model(seed=3)
-    _, native = _backends(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu.EXPERT_PANELS_ENV, "0")
+        _, native = _backends(model)
     attn, moe = model.layers[0].self_attn, model.layers[1].mlp
     for linear in (attn.q_proj, attn.o_proj, moe.pre_expert_proj, model.lm_head):
         args = native.weights.linear(linear)
@@ -529,6 +539,83 @@ def test_the_cpu_backend_packs_dense_bf16_weights_for_the_avx512_path_only(kerne
     assert all(len(part) == 1 for part in native.weights.experts(moe.experts))
     _, native = _backends(model.float())
     assert len(native.weights.linear(attn.q_proj)) == 1
+
+
+def test_expert_panels_policy(monkeypatch):
+    """MUSESPARK_EXPERT_PANELS: 1 and 0 decide; auto packs while the copy fits in a quarter of
+    the available memory; anything else is refused by name."""
+    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
+    assert cpu.expert_panels(1 << 60)
+    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "0")
+    assert not cpu.expert_panels(1)
+    monkeypatch.delenv(cpu.EXPERT_PANELS_ENV)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert cpu.expert_panels(1 << 20) and not cpu.expert_panels(available)
+    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "yes")
+    with pytest.raises(ValueError, match="MUSESPARK_EXPERT_PANELS='yes': expected 0, 1 or auto"):
+        cpu.expert_panels(1)
+
+
+@needs_ops
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_packed_experts_give_every_row_the_prompt_rows_bits(T, kernel_path, monkeypatch):
+    """Experts packed into panels (MUSESPARK_EXPERT_PANELS=1): on the AVX-512 path every
+    row, decode or prompt, takes the panel kernel on the packed copy, so it gets the bits a
+    prompt row gets from the unpacked experts (panels packed on the fly), alone or in any
+    batch, with one thread or two; on the AVX2 path nothing is packed and nothing changes."""
+    from musespark.layers.attention import AttentionContext
+
+    model = _random_model(seed=T + 11, moe_hidden_size=64, moe_intermediate_size=96, num_local_experts=8,
+                          num_experts_per_tok=4)
+    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
+    _, packed = _backends(model)
+    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "0")
+    _, plain = _backends(model)
+    sparse = [layer for layer in model.layers if type(layer.mlp).__name__ == "SparseMoeBlock"]
+    gu, down = packed.weights.experts(sparse[0].mlp.experts)
+    assert (len(gu), len(down)) == ((2, 2) if kernel_path == "avx512_bf16" else (1, 1))
+    g = torch.Generator().manual_seed(T)
+    s = torch.randn(T, model.config.hidden_size, generator=g) * 3
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for layer in sparse:
+                with plain.step(AttentionContext.for_prompts([T])):
+                    prompt = plain.moe_ffn(layer, s, torch.bfloat16)
+                decode = plain.moe_ffn(layer, s, torch.bfloat16)
+                want = prompt if kernel_path == "avx512_bf16" else decode
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    assert torch.equal(packed.moe_ffn(layer, s, torch.bfloat16), want), (n, layer.self_attn.layer)
+                    with packed.step(AttentionContext.for_prompts([T])):
+                        assert torch.equal(packed.moe_ffn(layer, s, torch.bfloat16), want)
+                alone = torch.cat([packed.moe_ffn(layer, s[t:t + 1], torch.bfloat16) for t in range(T)])
+                assert torch.equal(alone, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_ops
+def test_expert_panels_argument_is_checked(kernel_path, monkeypatch):
+    """Expert panels that are not the packing of the experts (wrong shape, dtype or layout)
+    are refused with the argument's name and the expected shape."""
+    if kernel_path != "avx512_bf16":
+        pytest.skip("expert panels exist on the avx512_bf16 path only; this CPU runs " + kernel_path)
+    model = _random_model(seed=2)
+    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
+    _, native = _backends(model)
+    layer = model.layers[1]
+    args = list(native._ffn_args("ffn_moe", layer))
+    at = next(i for i, a in enumerate(args) if isinstance(a, list) and len(a) == 2 and a[0].dim() == 3)
+    gu, panels = args[at]
+    s = torch.randn(2, model.config.hidden_size)
+    for bad in (panels[:1], panels.float(), panels.transpose(2, 3)):
+        args[at] = [gu, bad]
+        with pytest.raises(RuntimeError, match="gate_up.*panels must be the contiguous int32 \\[6, 2, 12, 64\\]"):
+            native.ops.ffn_moe(s, *args, True, None)
+    args[at] = [gu.float(), panels]
+    with pytest.raises(RuntimeError, match="panels go with a bfloat16"):
+        native.ops.ffn_moe(s, *args, True, None)
 
 
 @needs_ops

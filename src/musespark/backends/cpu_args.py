@@ -107,13 +107,15 @@ class WeightArgs:
     On the AVX-512-BF16 path a dense bf16 linear's argument is [weight, panels]: the weight
     packed once more (`cpu.pack_panels`, as many bytes again) for the panel kernel, which
     then multiplies every row of it, prompt or decode, 1.1-2x faster than the dot-product
-    kernel (benchmarks/RESULTS.md, session 10). Expert weights are not packed (they would
-    double the model). The panels are made at a weight's first use (the first step), not at
+    kernel (benchmarks/RESULTS.md, session 10). bf16 experts [E, N, K] are packed likewise
+    when `pack_experts` (the backend's choice, `cpu.expert_panels`: they are most of a MoE
+    model, so that holds it nearly twice). The panels are made at a weight's first use (the first step), not at
     load, which keeps one copy of the weights (tests/test_load_memory.py). `panels` follows
     the kernels' path (`refresh`, once per step)."""
 
-    def __init__(self, ops: Any) -> None:
+    def __init__(self, ops: Any, pack_experts: bool = False) -> None:
         self.ops = ops
+        self.pack_experts = pack_experts
         self._cache: dict[int, tuple[nn.Module, bool, list[_Check], Any]] = {}
         self.refresh()
 
@@ -129,7 +131,7 @@ class WeightArgs:
         return args
 
     def _dense(self, w: torch.Tensor) -> list[torch.Tensor]:
-        if self.panels and w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] % 2 == 0:
+        if self.panels and w.dtype == torch.bfloat16 and w.shape[-1] % 2 == 0 and (w.dim() == 2 or self.pack_experts):
             return [w, cpu.pack_panels(w)]
         return [w]
 
@@ -146,7 +148,7 @@ class WeightArgs:
                      "down_proj_weight_scale", "down_proj_weight_scale_2")
             return self._get(experts, names, lambda gu, gus, gug, d, ds, dg: (
                 [gu, gus.view(torch.uint8), gug], [d, ds.view(torch.uint8), dg]))
-        return self._get(experts, ("gate_up_proj", "down_proj"), lambda gu, d: ([gu], [d]))
+        return self._get(experts, ("gate_up_proj", "down_proj"), lambda gu, d: (self._dense(gu), self._dense(d)))
 
 
 class StepArgs:

@@ -184,7 +184,11 @@ class CpuBackend(TorchBackend):
         # The head kernel needs a dense head, whatever the other modules' formats.
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
-        self.weights = WeightArgs(ops)
+        # bf16 experts packed into panels too when there is room for the copy (cpu.expert_panels).
+        expert_bytes = sum(p.numel() * p.element_size() for m in model.modules()
+                           if isinstance(getattr(m, "format", None), DenseExperts)
+                           for p in (m.gate_up_proj, m.down_proj) if p.dtype == torch.bfloat16)
+        self.weights = WeightArgs(ops, pack_experts=cpu.expert_panels(expert_bytes))
         self.args = StepArgs(self.weights)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
         # Pure decode steps run in one native call (cpu_decode.py): the same bits.

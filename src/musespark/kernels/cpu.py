@@ -75,6 +75,28 @@ def batch_invariant() -> bool:
     return value == "1"
 
 
+EXPERT_PANELS_ENV = "MUSESPARK_EXPERT_PANELS"
+
+
+def expert_panels(expert_bytes: int) -> bool:
+    """Whether the cpu backend packs bf16 expert weights into panels on the AVX-512-BF16 path
+    (MUSESPARK_EXPERT_PANELS: 1 yes, 0 no, auto (default) when the copy, `expert_bytes` more,
+    fits in a quarter of the memory available now). Packed, every expert row takes the panel
+    kernel, 1.05x (batch 1) to 1.09x (48 rows) faster decode steps on Zen 4
+    (benchmarks/RESULTS.md, session 17), at the cost of holding the experts, most of a MoE
+    model, twice. Decided once per backend, so a process's rows never change kernel."""
+    value = os.environ.get(EXPERT_PANELS_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{EXPERT_PANELS_ENV}={value!r}: expected 0, 1 or auto")
+    if value != "auto":
+        return value == "1"
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return False
+    return 4 * expert_bytes <= available
+
+
 def path_for(level: str) -> str:
     """The kernel path an ISA level (cpu_features.ISA_LEVELS) runs."""
     return "avx512_bf16" if level in ("avx512_bf16", "amx_bf16") else "avx2"
@@ -87,15 +109,18 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """A bf16 weight [N, K] (K even) in the layout the AVX-512-BF16 panel kernel reads
     (kernels/cpu_gemv.h `panels_arg`): int32 [ceil(N / 64), K / 2, 64], panel p's word [q, c]
     holding the bf16 pair (w[64p + c, 2q], w[64p + c, 2q + 1]), low half first; rows past N
-    are zeros. A second copy of the weight (the same bytes), made once per weight."""
-    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2:
-        raise ValueError(f"pack_panels: expected a bfloat16 [N, K] weight with K even, got {w.dtype} {tuple(w.shape)}")
-    n, k = w.shape
-    pairs = w.detach().contiguous().view(torch.int32)  # [N, K/2]: little-endian, w[:, 2q] in the low half
+    are zeros. Experts [E, N, K] give each expert's panels in turn: [E, ceil(N / 64), K / 2, 64].
+    A second copy of the weight (the same bytes), made once per weight."""
+    if w.dtype != torch.bfloat16 or w.dim() not in (2, 3) or w.shape[-1] % 2:
+        raise ValueError("pack_panels: expected a bfloat16 [N, K] weight with K even (or experts' [E, N, K]), "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    *lead, n, k = w.shape
+    pairs = w.detach().contiguous().view(torch.int32).reshape(-1, n, k // 2)  # w[..., 2q] in the low half
     panels = -(-n // PANEL_ROWS)
     if panels * PANEL_ROWS != n:
-        pairs = torch.cat([pairs, pairs.new_zeros(panels * PANEL_ROWS - n, k // 2)])
-    return pairs.view(panels, PANEL_ROWS, k // 2).transpose(1, 2).contiguous()
+        pairs = torch.cat([pairs, pairs.new_zeros(pairs.shape[0], panels * PANEL_ROWS - n, k // 2)], dim=1)
+    out = pairs.view(-1, panels, PANEL_ROWS, k // 2).transpose(2, 3).contiguous()
+    return out.view(*lead, panels, k // 2, PANEL_ROWS)
 
 
 def unavailable_reason() -> str:

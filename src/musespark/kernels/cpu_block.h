@@ -41,13 +41,14 @@ using musespark_rows::sigmoid;
 constexpr int64_t kRowGrain = 16;  // rows per task in row loops (T = 1 runs inline)
 
 // A weight argument of the fused blocks (schema `Tensor[]`): [w], a contiguous bf16 or fp32
-// matrix [N, K] (experts: [E, N, K]); [w, panels], a bf16 matrix with its panels packed once
-// (cpu_gemv.h panels_arg; not for experts); or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
+// matrix [N, K] (experts: [E, N, K]); [w, panels], a bf16 weight with its panels packed once
+// (cpu_gemv.h panels_arg; experts: each expert's panels in turn); or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
 // [(E,) N, K/2], block scales float8_e4m3fn or uint8 [(E,) N, K/16], global scales fp32 with
 // (E x) G elements, G dividing N]. Views into the tensors: they must outlive the call.
 struct Weight {
   const uint8_t* w = nullptr;  // bf16 or fp32 elements, or NVFP4 codes
   const uint32_t* packed = nullptr;  // the panels of [w, panels]
+  int64_t packed_stride = 0;  // words per expert's panels
   const uint8_t* scales = nullptr;
   const float* globals = nullptr;
   int64_t E = 0, N = 0, K = 0, G = 1;
@@ -61,7 +62,7 @@ struct Weight {
           const uint8_t* prompt = nullptr) const {
     Job j{x, M, K, w + e * w_stride, !nvfp4() && !fp32, N, y, ldy, bf16};
     j.prompt = prompt;
-    j.packed = packed;
+    j.packed = packed ? packed + e * packed_stride : nullptr;
     if (nvfp4()) {
       j.scales = scales + e * s_stride;
       j.globals = globals + e * G;
@@ -91,8 +92,8 @@ inline Weight weight_arg(at::TensorList parts, bool experts, const char* name) {
     w.K = a.size(d - 1);
     w.w_stride = w.N * w.K * static_cast<int64_t>(a.element_size());
     if (parts.size() == 2) {
-      TORCH_CHECK(!experts, name, ": expert weights take no panels");
       w.packed = musespark_gemv::panels_arg(parts[1], a, name);
+      w.packed_stride = parts[1].numel() / w.E;
     }
     return w;
   }

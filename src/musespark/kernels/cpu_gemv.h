@@ -243,7 +243,8 @@ inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jo
 }
 
 // Batch invariance with two bf16 kernels (AVX-512-BF16). A weight packed once into panels
-// (`Job::packed`: the dense linears and the LM head) multiplies every row by bf16_panels,
+// (`Job::packed`: the dense linears, the LM head, and the experts where the backend packs
+// them: backends/cpu_args.py) multiplies every row by bf16_panels,
 // which reads it as one stream and is the faster kernel at every batch size. Otherwise a
 // prompt row (a token inside its request's prompt: the caller says which) is multiplied by
 // bf16_panels, packing the weight on the fly, and every other row (decode, speculative
@@ -485,21 +486,24 @@ inline const uint8_t* prompt_flags(const c10::optional<at::Tensor>& rows, int64_
   return static_cast<const uint8_t*>(r.data_ptr());
 }
 
-// A bf16 weight's panels argument (the ops' optional `panels`): int32 [ceil(N / 64), K / 2, 64],
-// panel p's word [q, c] = bf16 bits of (w[64p + c, 2q], w[64p + c, 2q + 1]), low half first,
-// rows past N zero (kernels/cpu.py pack_panels makes it). Null when absent.
+// A bf16 weight's panels argument (the ops' optional `panels`; an expert weight's second
+// part): for w [N, K], int32 [ceil(N / 64), K / 2, 64], panel p's word [q, c] = bf16 bits of
+// (w[64p + c, 2q], w[64p + c, 2q + 1]), low half first, rows past N zero; for experts
+// w [E, N, K], each expert's panels in turn, [E, ceil(N / 64), K / 2, 64] (kernels/cpu.py
+// pack_panels makes both). Null when absent.
 inline const uint32_t* panels_arg(const c10::optional<at::Tensor>& panels, const at::Tensor& w, const char* name) {
   if (!panels.has_value() || !panels->defined()) return nullptr;
   const at::Tensor& p = *panels;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, name,
-              ": panels go with a bfloat16 [N, K] weight, got ", w.scalar_type(), " ", w.sizes());
-  const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(p.scalar_type() == at::kInt && p.is_contiguous() && p.dim() == 3 &&
-                  p.size(0) == (N + musespark_avx512::kPanelRows - 1) / musespark_avx512::kPanelRows &&
-                  p.size(1) == K / 2 && p.size(2) == musespark_avx512::kPanelRows && K % 2 == 0,
-              name, ": panels must be the contiguous int32 [", (N + musespark_avx512::kPanelRows - 1) / 64, ", ",
-              K / 2, ", 64] packing of the weight (musespark.kernels.cpu.pack_panels), got ", p.scalar_type(), " ",
-              p.sizes());
+  const bool experts = w.dim() == 3;
+  TORCH_CHECK((w.dim() == 2 || experts) && w.scalar_type() == at::kBFloat16, name,
+              ": panels go with a bfloat16 [N, K] weight (experts: [E, N, K]), got ", w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(-2), K = w.size(-1);
+  std::vector<int64_t> want{(N + musespark_avx512::kPanelRows - 1) / musespark_avx512::kPanelRows, K / 2,
+                            musespark_avx512::kPanelRows};
+  if (experts) want.insert(want.begin(), w.size(0));
+  TORCH_CHECK(p.scalar_type() == at::kInt && p.is_contiguous() && p.sizes() == at::IntArrayRef(want) && K % 2 == 0,
+              name, ": panels must be the contiguous int32 ", at::IntArrayRef(want),
+              " packing of the weight (musespark.kernels.cpu.pack_panels), got ", p.scalar_type(), " ", p.sizes());
   return reinterpret_cast<const uint32_t*>(p.data_ptr<int32_t>());
 }
 
