@@ -109,9 +109,9 @@ class WeightArgs:
     then multiplies every row of it, prompt or decode, 1.1-2x faster than the dot-product
     kernel (benchmarks/RESULTS.md, session 10). bf16 experts [E, N, K] are packed likewise
     when `pack_experts` (the backend's choice, `cpu.expert_panels`: they are most of a MoE
-    model, so that holds it nearly twice). The panels are made at a weight's first use (the first step), not at
-    load, which keeps one copy of the weights (tests/test_load_memory.py). `panels` follows
-    the kernels' path (`refresh`, once per step)."""
+    model, so that holds it nearly twice). The panels are made at a weight's first use (the
+    first step), not at load, which keeps one copy of the weights (tests/test_load_memory.py).
+    `panels` follows the kernels' path (`refresh`, once per step)."""
 
     def __init__(self, ops: Any, pack_experts: bool = False) -> None:
         self.ops = ops

@@ -42,9 +42,10 @@ constexpr int64_t kRowGrain = 16;  // rows per task in row loops (T = 1 runs inl
 
 // A weight argument of the fused blocks (schema `Tensor[]`): [w], a contiguous bf16 or fp32
 // matrix [N, K] (experts: [E, N, K]); [w, panels], a bf16 weight with its panels packed once
-// (cpu_gemv.h panels_arg; experts: each expert's panels in turn); or an NVFP4 weight (weight-only; cpu_nvfp4.cpp): [codes uint8
-// [(E,) N, K/2], block scales float8_e4m3fn or uint8 [(E,) N, K/16], global scales fp32 with
-// (E x) G elements, G dividing N]. Views into the tensors: they must outlive the call.
+// (cpu_gemv.h panels_arg; experts: each expert's panels in turn); or an NVFP4 weight
+// (weight-only; cpu_nvfp4.cpp): [codes uint8 [(E,) N, K/2], block scales float8_e4m3fn or
+// uint8 [(E,) N, K/16], global scales fp32 with (E x) G elements, G dividing N]. Views into
+// the tensors: they must outlive the call.
 struct Weight {
   const uint8_t* w = nullptr;  // bf16 or fp32 elements, or NVFP4 codes
   const uint32_t* packed = nullptr;  // the panels of [w, panels]
