@@ -544,13 +544,19 @@ def test_the_cpu_backend_packs_dense_bf16_weights_for_the_avx512_path_only(kerne
 def test_expert_panels_policy(monkeypatch):
     """MUSESPARK_EXPERT_PANELS: 1 and 0 decide; auto packs while the copy fits in a quarter of
     the available memory; anything else is refused by name."""
+    from musespark.bench.common import machine
+
+    monkeypatch.setattr(cpu, "expert_panels_chosen", None)
     monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
-    assert cpu.expert_panels(1 << 60)
+    assert cpu.expert_panels(1 << 60) and cpu.expert_panels_chosen is True
+    assert machine()["expert_panels"] == "1: packed"  # what the benchmarks' JSON lines record
     monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "0")
-    assert not cpu.expert_panels(1)
+    assert not cpu.expert_panels(1) and cpu.expert_panels_chosen is False
+    assert machine()["expert_panels"] == "0: not packed"
     monkeypatch.delenv(cpu.EXPERT_PANELS_ENV)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert cpu.expert_panels(1 << 20) and not cpu.expert_panels(available)
+    assert machine()["expert_panels"] == "auto: not packed"
     monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "yes")
     with pytest.raises(ValueError, match="MUSESPARK_EXPERT_PANELS='yes': expected 0, 1 or auto"):
         cpu.expert_panels(1)

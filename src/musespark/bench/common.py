@@ -83,6 +83,9 @@ def machine() -> dict[str, Any]:
         kernels = sys.modules["musespark.kernels.cpu"]
         info["kernel_path"] = kernels.kernel_path() if kernels._tried else "not loaded"
         info["batch_invariant"] = kernels.batch_invariant()
+        chosen = kernels.expert_panels_chosen  # None: no cpu backend was made in this run
+        info["expert_panels"] = kernels.expert_panels_setting() + (
+            "" if chosen is None else ": packed" if chosen else ": not packed")
     return info
 
 

@@ -76,6 +76,15 @@ def batch_invariant() -> bool:
 
 
 EXPERT_PANELS_ENV = "MUSESPARK_EXPERT_PANELS"
+# What this process's last cpu backend chose (`expert_panels`), for the benchmarks' JSON lines.
+expert_panels_chosen: bool | None = None
+
+
+def expert_panels_setting() -> str:
+    value = os.environ.get(EXPERT_PANELS_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{EXPERT_PANELS_ENV}={value!r}: expected 0, 1 or auto")
+    return value
 
 
 def expert_panels(expert_bytes: int) -> bool:
@@ -84,17 +93,18 @@ def expert_panels(expert_bytes: int) -> bool:
     fits in a quarter of the memory available now). Packed, every expert row takes the panel
     kernel, 1.05x (batch 1) to 1.09x (48 rows) faster decode steps on Zen 4
     (benchmarks/RESULTS.md, session 17), at the cost of holding the experts, most of a MoE
-    model, twice. Decided once per backend, so a process's rows never change kernel."""
-    value = os.environ.get(EXPERT_PANELS_ENV, "auto")
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{EXPERT_PANELS_ENV}={value!r}: expected 0, 1 or auto")
+    model, twice. Decided once per backend, so a backend's rows never change kernel."""
+    global expert_panels_chosen
+    value = expert_panels_setting()
     if value != "auto":
-        return value == "1"
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return False
-    return 4 * expert_bytes <= available
+        chosen = value == "1"
+    else:
+        try:
+            chosen = 4 * expert_bytes <= os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            chosen = False
+    expert_panels_chosen = chosen
+    return chosen
 
 
 def path_for(level: str) -> str:
