@@ -36,8 +36,9 @@ inline float sum16(__m512 v) {
   return _mm_cvtss_f32(b);
 }
 
-// Prefetches the weight line at p. `once`: no later tile of this call reads it again, so it
-// is fetched non-temporally, without pushing the caller's working set (the stream, the
+// Prefetches the weight line at p (the dot-product kernel's; the panel kernel below leaves
+// its sequential stream to the hardware). `once`: no later tile of this call reads it again,
+// so it is fetched non-temporally, without pushing the caller's working set (the stream, the
 // interpreter's objects between calls) out of L2 and L3: a decode step reads hundreds of MiB
 // of weights once each (benchmarks/RESULTS.md, session 12). Where a line lands never changes
 // the values read. (The AVX2 kernels keep T0: no gain measured there.)
@@ -141,10 +142,11 @@ namespace {
 // 64-byte load holds one k pair of 16 rows: pk[p][c] = (w[c, 2p], w[c, 2p + 1]) for the
 // panel's column c. A tile of 6 x rows broadcasts each x pair and multiplies it into the
 // 4 blocks: 24 accumulators, no lane sums at the end, the packed panel read from L1/L2
-// and reused by every tile of x.
+// and reused by every tile of x. No software prefetch: packed weights are one sequential
+// stream the hardware prefetchers follow, and the NTA prefetch they had cost batch-1 decode
+// 5-15 % whenever the memory was fast (benchmarks/RESULTS.md, session 18).
 constexpr int kBlocks = kPanelRows / 16;
 constexpr int kPanelMR = 6;
-constexpr int64_t kPanelAhead = 8192;  // bytes prefetched ahead in packed weights
 
 // r[i] = 16 dwords of row i -> r[j] = dword j of rows 0..15 (4 rounds of 16 shuffles).
 inline void transpose16(__m512i* r) {
@@ -198,7 +200,7 @@ inline void pack_panel(const uint16_t* w, int64_t K, int64_t np, int64_t k0, int
 // y (first chunk: from +0) over the pairs in order, stored back to y (exact: fp32 both).
 template <int MR>
 inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, const uint32_t* pk, float* y,
-                       int64_t ldy, const __mmask16* cols, bool first, int64_t ahead, bool once) {
+                       int64_t ldy, const __mmask16* cols, bool first) {
   __m512 acc[MR][kBlocks];
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < kBlocks; ++b)
@@ -207,10 +209,7 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
   const int64_t K2 = K / 2, pairs = (kc + 1) / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) {
-      if (ahead) prefetch_weight(reinterpret_cast<const char*>(pk + p * kPanelRows + 16 * b) + ahead, once);
-      wv[b] = (__m512bh)_mm512_load_si512(pk + p * kPanelRows + 16 * b);
-    }
+    for (int b = 0; b < kBlocks; ++b) wv[b] = (__m512bh)_mm512_load_si512(pk + p * kPanelRows + 16 * b);
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[m * K2 + p]);
       for (int b = 0; b < kBlocks; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
@@ -240,22 +239,19 @@ void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
       // same in a tile of any height.
       const int64_t tiles = (M + kPanelMR - 1) / kPanelMR;
       const int64_t base = M / tiles, taller = M % tiles;
-      const bool once = tiles == 1;  // no other tile of x reads this chunk of the panel
       int64_t m = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t h = base + (t < taller ? 1 : 0);
         const uint16_t* xt = x + m * K;
         float* yt = y + m * ldy + n;
         const bool first = k0 == 0;
-        // Packed weights come from memory in the first tile only: fetch them ahead.
-        const int64_t ahead = packed && t == 0 ? kPanelAhead : 0;
         switch (h) {
-          case 6: panel_tile<6>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
-          case 5: panel_tile<5>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
-          case 4: panel_tile<4>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
-          case 3: panel_tile<3>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
-          case 2: panel_tile<2>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
-          default: panel_tile<1>(xt, K, k0, kc, panel, yt, ldy, cols, first, ahead, once); break;
+          case 6: panel_tile<6>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
+          case 5: panel_tile<5>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
+          case 4: panel_tile<4>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
+          case 3: panel_tile<3>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
+          case 2: panel_tile<2>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
+          default: panel_tile<1>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
         }
         m += h;
       }
