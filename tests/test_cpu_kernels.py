@@ -384,7 +384,10 @@ def _chunk_attention_reference(q, k, v, q0, k0, window, scale, dtype=torch.float
     (100, 100, 0, 0, (4, 4), 128, 17),  # sliding window
     (9, 40, 31, 0, (2, 1), 16, 8),      # window, prefix, one KV head
     (33, 26, 50, 57, (4, 2), 48, 20),   # keys starting past 0 (a window's band)
-    (5, 5, 0, 0, (2, 2), 256, 0)])
+    (5, 5, 0, 0, (2, 2), 256, 0),
+    # long enough for pairs of key blocks that every row of a tile reaches (no masks)
+    (200, 260, 60, 0, (4, 1), 64, 0),
+    (300, 300, 0, 0, (8, 2), 64, 100)])
 def test_prefill_attention_matches_sdpa(n, m, q0, k0, heads, D, window, kernel_path):
     """bf16 in, bf16 out: no further from a float64 evaluation than PyTorch's own bf16 SDPA
     (x1.25 + 1 bf16 ulp of the output scale); both round P to bf16 before P V."""

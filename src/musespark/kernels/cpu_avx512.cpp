@@ -5,6 +5,7 @@
 // for AVX-512 may leak into the AVX2 world).
 #include <cstdint>
 #include <immintrin.h>
+#include <type_traits>
 
 #include "cpu_isa.h"
 
@@ -442,8 +443,8 @@ __attribute__((always_inline)) inline void block_scores(const uint16_t* const* q
 
 // R query rows (consecutive tokens of one head) x CH chunks of 16 output dimensions
 // (D = 16 CH): the rows share every K and V load; their outputs stay in registers.
-// Blocks of 16 keys update the online softmax one at a time, in order; their scores are
-// computed two blocks at a time (block_scores).
+// Pairs of blocks of 16 keys (the last one alone) update the online softmax in order, one
+// running-max update per pair; their scores are computed a pair at a time (block_scores).
 template <int R, int CH>
 void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp, const uint16_t* vp, int64_t m,
                  int64_t q0, int64_t k0, int64_t window, float scale, int64_t t, int rows, uint16_t* out) {
@@ -464,44 +465,56 @@ void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp
     sum[r] = _mm512_setzero_ps();
     for (int c = 0; c < CH; ++c) o[r][c] = _mm512_setzero_ps();
   }
-  // The online softmax and P V for block b, from its raw scores s.
-  auto update = [&](int64_t b, const __m512 (&s)[R]) __attribute__((always_inline)) {
-    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(k0 + b * 16)), lane);  // positions
-    alignas(64) int32_t pp[R][8];  // each row's weights as bf16 pairs of keys
+  // The online softmax and P V for NB blocks from b on (one or two: 16 or 32 keys), from
+  // their raw scores s: one running-max update for them all. A pair whose keys every row
+  // reaches (most of them) skips the masks.
+  auto update = [&](auto nb, int64_t b, const __m512 (&s)[2][R]) __attribute__((always_inline)) {
+    constexpr int NB = decltype(nb)::value;
+    const int64_t lo = k0 + b * 16;  // position of the first key
+    const bool interior = b * 16 + 16 * NB <= m && lo + 16 * NB - 1 <= first_pos &&
+                          (window == 0 || lo > last_pos - window);
+    alignas(64) int32_t pp[R][8 * NB];  // each row's weights as bf16 pairs of keys
     for (int r = 0; r < R; ++r) {
-      const int64_t pos = q0 + t + r;
-      __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)));
-      ok &= _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k0 + m)));
-      if (window > 0) ok &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - window)));
-      if (r >= rows) ok = 0;
-      if (ok == 0) {  // no key of this block: the row's state stays as it is (weights 0)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), _mm256_setzero_si256());
-        continue;
+      __m512 sc[NB];
+      __mmask16 ok[NB];
+      for (int n = 0; n < NB; ++n) sc[n] = _mm512_mul_ps(s[n][r], _mm512_set1_ps(scale)), ok[n] = 0xFFFF;
+      if (!interior) {
+        const int64_t pos = q0 + t + r;
+        __mmask16 any = 0;
+        for (int n = 0; n < NB; ++n) {
+          const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo + 16 * n)), lane);
+          ok[n] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
+                  _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k0 + m)));
+          if (window > 0) ok[n] &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - window)));
+          if (r >= rows) ok[n] = 0;
+          sc[n] = _mm512_mask_mov_ps(neg_inf, ok[n], sc[n]);
+          any |= ok[n];
+        }
+        if (any == 0) {  // no key here for this row: its state stays as it is (weights 0)
+          for (int n = 0; n < NB; ++n) _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + 8 * n), _mm256_setzero_si256());
+          continue;
+        }
       }
-      const __m512 sc = _mm512_mask_mov_ps(neg_inf, ok, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
-      const float block_max = _mm512_reduce_max_ps(sc), old_max = _mm512_cvtss_f32(mx[r]);
-      if (block_max <= old_max && old_max > -__builtin_inff() && old_max < __builtin_inff()) {
-        // The running max stands: its correction would be exp(0) = 1 exactly, and scaling
-        // by it changes nothing, so it is skipped.
-        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(ok, exp16(_mm512_sub_ps(sc, mx[r]))));
+      const __m512 top = NB == 2 ? _mm512_max_ps(sc[0], sc[NB - 1]) : sc[0];
+      // The running max stands unless some lane exceeds it (before the first key it is
+      // -inf, which every reachable key exceeds); then it rises to these keys' max and the
+      // row's sums are scaled by exp(old - new).
+      if (_mm512_cmp_ps_mask(top, mx[r], _CMP_GT_OQ) != 0) {
+        const __m512 nmax = _mm512_max_ps(mx[r], _mm512_set1_ps(_mm512_reduce_max_ps(top)));
+        const __m512 corr = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx[r], neg_inf, _CMP_NEQ_OQ),
+                                                exp16(_mm512_sub_ps(mx[r], nmax)));
+        sum[r] = _mm512_mul_ps(sum[r], corr);
+        for (int c = 0; c < CH; ++c) o[r][c] = _mm512_mul_ps(o[r][c], corr);
+        mx[r] = nmax;
+      }
+      for (int n = 0; n < NB; ++n) {  // P in bf16 for the P V product (as flash attention)
+        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(ok[n], exp16(_mm512_sub_ps(sc[n], mx[r]))));
         sum[r] = _mm512_add_ps(sum[r], _mm512_cvtpbh_ps(pb));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)pb);
-        continue;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r] + 8 * n), (__m256i)pb);
       }
-      const __m512 nmax = _mm512_max_ps(mx[r], _mm512_set1_ps(block_max));
-      // Nothing reachable yet: keep the row empty (exp of -inf - -inf would be NaN).
-      const __mmask16 live = _mm512_cmp_ps_mask(nmax, neg_inf, _CMP_NEQ_OQ);
-      const __m512 corr = _mm512_maskz_mov_ps(live & _mm512_cmp_ps_mask(mx[r], neg_inf, _CMP_NEQ_OQ),
-                                              exp16(_mm512_sub_ps(mx[r], nmax)));
-      const __m512 p = _mm512_maskz_mov_ps(ok & live, exp16(_mm512_sub_ps(sc, nmax)));
-      const __m256bh pb = _mm512_cvtneps_pbh(p);  // P in bf16 for the P V product (as flash attention)
-      sum[r] = _mm512_fmadd_ps(sum[r], corr, _mm512_cvtpbh_ps(pb));
-      mx[r] = nmax;
-      for (int c = 0; c < CH; ++c) o[r][c] = _mm512_mul_ps(o[r][c], corr);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(pp[r]), (__m256i)pb);
     }
-    const uint16_t* vb = vp + b * 8 * D * 2;  // this block's 8 key pairs
-    for (int i = 0; i < 8; ++i) {
+    const uint16_t* vb = vp + b * 8 * D * 2;  // these blocks' 8 NB key pairs
+    for (int i = 0; i < 8 * NB; ++i) {
       __m512bh pv[R];
       for (int r = 0; r < R; ++r) pv[r] = (__m512bh)_mm512_set1_epi32(pp[r][i]);
       for (int c = 0; c < CH; ++c) {
@@ -515,13 +528,12 @@ void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp
   for (; b + 1 < b_end; b += 2) {
     __m512 s[2][R];
     block_scores<R, 2>(qr, kp + b * pairs * 32, pairs, s);
-    update(b, s[0]);
-    update(b + 1, s[1]);
+    update(std::integral_constant<int, 2>{}, b, s);
   }
   if (b < b_end) {
     __m512 s[2][R];
     block_scores<R, 1>(qr, kp + b * pairs * 32, pairs, s);
-    update(b, s[0]);
+    update(std::integral_constant<int, 1>{}, b, s);
   }
   for (int r = 0; r < rows; ++r) {
     const float total = _mm512_reduce_add_ps(sum[r]);

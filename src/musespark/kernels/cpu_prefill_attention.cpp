@@ -11,8 +11,9 @@
 // rounded weights; the output is rounded once to bf16. D: a multiple of 16 up to 128, or 256.
 // A row that reaches no key (never in the engine: a query sees itself) gets zeros.
 //
-// Each row is computed alone over key blocks of 16 in order, so its result does not depend
-// on the other rows of the chunk.
+// Each row is computed alone over its keys in order, 32 at a time from a multiple of 16
+// (the online softmax's max rises once per 32 keys), so its result does not depend on the
+// other rows of the chunk.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
