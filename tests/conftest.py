@@ -26,23 +26,26 @@ def save_random_checkpoint(path: Path, cfg, seed: int) -> Path:
     return path
 
 
-# The native kernels' code paths (kernels/cpu_isa.h), lowest first. A test that takes the
-# `kernel_path` fixture runs once per path; a path this CPU cannot execute is skipped with
-# a message naming it, never silently.
-KERNEL_PATHS = ("avx2", "avx512_bf16")
+# The native kernels' code paths (kernels/cpu_isa.h), lowest first, and the ISA level
+# (cpu_features.ISA_LEVELS) each needs. A test that takes the `kernel_path` fixture runs once
+# per path; a path this CPU cannot execute is skipped with a message naming it, never
+# silently. "amx_emulated" is the amx_bf16 path with its tile instructions modelled in
+# software (kernels/cpu_amx.cpp): the AMX schedule checked on CPUs without AMX.
+KERNEL_PATHS = {"avx2": "avx2", "avx512_bf16": "avx512_bf16", "amx_emulated": "avx512_bf16", "amx_bf16": "amx_bf16"}
 
 
-@pytest.fixture(params=KERNEL_PATHS)
+@pytest.fixture(params=tuple(KERNEL_PATHS))
 def kernel_path(request):
-    from musespark.cpu_features import detected_isa
-    from musespark.kernels.cpu import native_ops, path_for, unavailable_reason
+    from musespark.cpu_features import ISA_LEVELS, detected_isa
+    from musespark.kernels.cpu import amx_unusable_reason, native_ops, unavailable_reason
 
     ops = native_ops()
     if ops is None:
         pytest.skip(f"kernel path {request.param}: native kernels unavailable ({unavailable_reason()})")
-    have = KERNEL_PATHS.index(path_for(detected_isa()))
-    if KERNEL_PATHS.index(request.param) > have:
+    if ISA_LEVELS.index(KERNEL_PATHS[request.param]) > ISA_LEVELS.index(detected_isa()):
         pytest.skip(f"kernel path {request.param}: this CPU ({detected_isa()}) cannot execute it")
+    if request.param == "amx_bf16" and amx_unusable_reason():
+        pytest.skip(f"kernel path amx_bf16: this CPU's AMX tiles are unused ({amx_unusable_reason()})")
     before = ops.isa_path()
     ops.set_isa(request.param)
     try:

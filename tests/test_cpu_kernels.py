@@ -5,12 +5,14 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from musespark.kernels import cpu
+from musespark.kernels.cpu import PANEL_PATHS
 
 ops = cpu.native_ops()
 
@@ -67,7 +69,7 @@ def test_products_split_across_threads_give_the_one_thread_bits(wdtype, kernel_p
     thread gives, with no tile lost or run twice into the wrong place."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(3001, 264, generator=g).to(wdtype)
-    packed = cpu.pack_panels(w) if wdtype == torch.bfloat16 and kernel_path == "avx512_bf16" else None
+    packed = cpu.pack_panels(w) if wdtype == torch.bfloat16 and kernel_path in PANEL_PATHS else None
     cases = [(torch.randn(M, 264, generator=g).to(wdtype), rows) for M, rows in
              ((1, None), (3, None), (70, torch.ones(70, dtype=torch.bool)), (9, torch.arange(9) % 2 == 0))]
     threads = torch.get_num_threads()
@@ -115,7 +117,7 @@ def test_prompt_rows_take_their_own_kernel_on_the_avx512_path(kernel_path):
     x = torch.randn(16, 2048, generator=g).bfloat16()
     prompt = ops.linear_small_m(x, w, torch.ones(16, dtype=torch.bool))
     decode = ops.linear_small_m(x, w)
-    if kernel_path == "avx512_bf16":
+    if kernel_path in PANEL_PATHS:
         assert not torch.equal(prompt, decode)
     else:
         assert torch.equal(prompt, decode)
@@ -171,7 +173,7 @@ def test_packed_panels_give_every_row_the_panel_kernels_bits(M, N, K, kernel_pat
     got = ops.linear_small_m(x, w, None, panels)
     prompt = ops.linear_small_m(x, w, torch.ones(M, dtype=torch.bool))
     decode = ops.linear_small_m(x, w)
-    if kernel_path == "avx512_bf16":
+    if kernel_path in PANEL_PATHS:
         assert torch.equal(got, prompt)
     else:
         assert torch.equal(got, decode)
@@ -214,7 +216,7 @@ def test_without_batch_invariance_prompt_sized_products_use_onednn(kernel_path):
     finally:
         ops.set_batch_invariant(before)
     assert torch.equal(small, invariant[:63])
-    if kernel_path == "avx512_bf16":
+    if kernel_path in PANEL_PATHS:
         assert torch.equal(fast, x @ w.T)
     else:
         assert torch.equal(fast, invariant)
@@ -391,7 +393,7 @@ def _chunk_attention_reference(q, k, v, q0, k0, window, scale, dtype=torch.float
 def test_prefill_attention_matches_sdpa(n, m, q0, k0, heads, D, window, kernel_path):
     """bf16 in, bf16 out: no further from a float64 evaluation than PyTorch's own bf16 SDPA
     (x1.25 + 1 bf16 ulp of the output scale); both round P to bf16 before P V."""
-    if kernel_path != "avx512_bf16":
+    if kernel_path not in PANEL_PATHS:
         pytest.skip("prefill_attention runs on the avx512_bf16 path only (SDPA elsewhere)")
     g = torch.Generator().manual_seed(n + m + D)
     nH, nKV = heads
@@ -485,7 +487,7 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
     # another order than their decode rows' (packed weights: every row takes it): some bf16
     # value moves; with the experts packed too (cpu.expert_panels), nothing does.
     if T > 1:
-        assert moved == (kernel_path == "avx512_bf16" and not native.weights.pack_experts), (moved, kernel_path)
+        assert moved == (kernel_path in PANEL_PATHS and not native.weights.pack_experts), (moved, kernel_path)
 
 
 @needs_ops
@@ -535,7 +537,7 @@ def test_the_cpu_backend_packs_dense_bf16_weights_for_the_avx512_path_only(kerne
     for linear in (attn.q_proj, attn.o_proj, moe.pre_expert_proj, model.lm_head):
         args = native.weights.linear(linear)
         assert args[0] is linear.weight
-        if kernel_path == "avx512_bf16":
+        if kernel_path in PANEL_PATHS:
             assert len(args) == 2 and torch.equal(args[1], cpu.pack_panels(linear.weight))
         else:
             assert len(args) == 1
@@ -582,7 +584,7 @@ def test_packed_experts_give_every_row_the_prompt_rows_bits(T, kernel_path, monk
     _, plain = _backends(model)
     sparse = [layer for layer in model.layers if type(layer.mlp).__name__ == "SparseMoeBlock"]
     gu, down = packed.weights.experts(sparse[0].mlp.experts)
-    assert (len(gu), len(down)) == ((2, 2) if kernel_path == "avx512_bf16" else (1, 1))
+    assert (len(gu), len(down)) == ((2, 2) if kernel_path in PANEL_PATHS else (1, 1))
     g = torch.Generator().manual_seed(T)
     s = torch.randn(T, model.config.hidden_size, generator=g) * 3
     threads = torch.get_num_threads()
@@ -592,7 +594,7 @@ def test_packed_experts_give_every_row_the_prompt_rows_bits(T, kernel_path, monk
                 with plain.step(AttentionContext.for_prompts([T])):
                     prompt = plain.moe_ffn(layer, s, torch.bfloat16)
                 decode = plain.moe_ffn(layer, s, torch.bfloat16)
-                want = prompt if kernel_path == "avx512_bf16" else decode
+                want = prompt if kernel_path in PANEL_PATHS else decode
                 for n in (1, 2):
                     torch.set_num_threads(n)
                     assert torch.equal(packed.moe_ffn(layer, s, torch.bfloat16), want), (n, layer.self_attn.layer)
@@ -608,7 +610,7 @@ def test_packed_experts_give_every_row_the_prompt_rows_bits(T, kernel_path, monk
 def test_expert_panels_argument_is_checked(kernel_path, monkeypatch):
     """Expert panels that are not the packing of the experts (wrong shape, dtype or layout)
     are refused with the argument's name and the expected shape."""
-    if kernel_path != "avx512_bf16":
+    if kernel_path not in PANEL_PATHS:
         pytest.skip("expert panels exist on the avx512_bf16 path only; this CPU runs " + kernel_path)
     model = _random_model(seed=2)
     monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
@@ -749,3 +751,27 @@ def test_two_processes_building_at_once_share_one_complete_cache(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert library.stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").iterdir())) == 1
+
+
+@needs_ops
+def test_amx_check_runs_the_tiles_in_a_child_and_keeps_its_verdict(tmp_path, monkeypatch):
+    """Before a process runs AMX tiles, a child process runs them against float64 and the
+    software model (a fault costs the child); the verdict is kept per CPU model. Without AMX
+    the child cannot select the path, and the reason says so."""
+    from musespark.cpu_features import detected_isa
+
+    monkeypatch.setattr(cpu, "cache_dir", lambda: tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        reason = cpu.amx_check()
+    if detected_isa() == "amx_bf16":
+        assert reason == "", reason
+    else:
+        assert "the AMX check failed" in reason and "cannot run the amx_bf16 kernels" in reason, reason
+    assert (tmp_path / "amx_check.txt").read_text().split("\n", 1) == [cpu._cpu_model(), reason]
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("the kept verdict should have been used")
+
+    monkeypatch.setattr(cpu.subprocess, "run", no_child)
+    assert cpu.amx_check() == reason

@@ -120,7 +120,7 @@ class WeightArgs:
         self.refresh()
 
     def refresh(self) -> None:
-        self.panels = self.ops.isa_path() == "avx512_bf16"
+        self.panels = self.ops.isa_path() in cpu.PANEL_PATHS
 
     def _get(self, module: nn.Module, names: tuple[str, ...], build: Callable[..., Any]) -> Any:
         hit = self._cache.get(id(module))

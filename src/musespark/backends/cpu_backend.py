@@ -264,7 +264,7 @@ class CpuBackend(TorchBackend):
         return paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window,
                                decode=self.ops.paged_decode_attention if native else None,
                                prefill=self.ops.prefill_attention if native and self.native_prefill
-                               and self.ops.isa_path() == "avx512_bf16" else None)
+                               and self.ops.isa_path() in cpu.PANEL_PATHS else None)
 
     def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(o.dtype, s.shape[0])):

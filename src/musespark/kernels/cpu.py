@@ -36,11 +36,13 @@ _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "c
                                                     "cpu_ops.h")]
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_attn_block.cpp", "cpu_ffn_block.cpp",
-                      "cpu_nvfp4.cpp", "cpu_avx512.cpp", "cpu_prefill_attention.cpp", "cpu_decode_plan.cpp")]
+                      "cpu_nvfp4.cpp", "cpu_avx512.cpp", "cpu_amx.cpp", "cpu_prefill_attention.cpp",
+                      "cpu_decode_plan.cpp")]
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
 _reason = ""  # why `native_ops()` returned None
+_amx_reason = ""  # why an AMX CPU runs the avx512_bf16 path ("" when it does not)
 
 
 def _disabled_because() -> str:
@@ -54,9 +56,11 @@ def _disabled_because() -> str:
 
 
 def kernel_path() -> str:
-    """The code path the loaded native kernels run: "avx512_bf16" (vdpbf16ps products and
-    the AVX-512 NVFP4 decode, on CPUs with AVX-512-BF16, AMX ones included), "avx2"
-    (AVX2+FMA, every other kernel and every other CPU), or "none" when they are unavailable."""
+    """The code path the loaded native kernels run: "amx_bf16" (the avx512_bf16 path with the
+    panel product on AMX tiles, on CPUs with AMX-BF16 whose tiles passed `amx_check`),
+    "avx512_bf16" (vdpbf16ps products and the AVX-512 NVFP4 decode, on CPUs with
+    AVX-512-BF16), "avx2" (AVX2+FMA, every other kernel and every other CPU), or "none" when
+    they are unavailable."""
     ops = native_ops()
     return "none" if ops is None else str(ops.isa_path())
 
@@ -108,8 +112,19 @@ def expert_panels(expert_bytes: int) -> bool:
 
 
 def path_for(level: str) -> str:
-    """The kernel path an ISA level (cpu_features.ISA_LEVELS) runs."""
-    return "avx512_bf16" if level in ("avx512_bf16", "amx_bf16") else "avx2"
+    """The kernel path an ISA level (cpu_features.ISA_LEVELS) runs (amx_bf16: once its tiles
+    pass `amx_check`)."""
+    return level if level in ("avx512_bf16", "amx_bf16") else "avx2"
+
+
+# The paths whose bf16 products read packed weight panels (kernels/cpu_gemv.h); "amx_emulated"
+# is the amx_bf16 path with the tile instructions modelled in software (tests only).
+PANEL_PATHS = ("avx512_bf16", "amx_bf16", "amx_emulated")
+
+
+def amx_unusable_reason() -> str:
+    """Why this AMX CPU runs the avx512_bf16 path instead ("" when it does not, or is not one)."""
+    return _amx_reason
 
 
 PANEL_ROWS = 64  # kernels/cpu_isa.h kPanelRows
@@ -185,7 +200,7 @@ def native_ops() -> Any:
 
 
 def _build() -> Any:
-    global _ops, _tried, _reason
+    global _ops, _tried, _reason, _amx_reason
     with _LOCK:
         if _tried:
             return _ops
@@ -193,7 +208,12 @@ def _build() -> Any:
         try:
             if not _reason:
                 _ops = _compile()
-                _ops.set_isa(path_for(isa()))
+                path = path_for(isa())
+                if path == "amx_bf16" and os.environ.get(_AMX_CHILD_ENV) != "1":
+                    _amx_reason = amx_check()
+                if path == "amx_bf16" and (_amx_reason or os.environ.get(_AMX_CHILD_ENV) == "1"):
+                    path = "avx512_bf16"
+                _ops.set_isa(path)
                 _ops.set_batch_invariant(batch_invariant())
         except Exception as exc:  # a missing compiler or ninja, a build error: fall back, loudly
             _reason = (f"the build failed: {type(exc).__name__}: "
@@ -203,6 +223,77 @@ def _build() -> Any:
             _ops = None
         _tried = True
         return _ops
+
+
+_AMX_CHILD_ENV = "MUSESPARK_AMX_CHECK_CHILD"
+_AMX_VERDICT = "amx_check.txt"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+def amx_check() -> str:
+    """"" when the AMX tiles of this CPU give the products they should, else why not.
+
+    The AMX path cannot be tested on the machines without AMX where it was written (its
+    schedule is, through a software model of the tile instructions: `set_isa("amx_emulated")`),
+    so before a process uses it a child process runs it (a fault there costs the child, not
+    this process) on products with partial tiles of every kind, against float64 and against
+    the software model. The verdict is kept next to the library, per CPU model."""
+    verdict = cache_dir() / _AMX_VERDICT
+    model = _cpu_model()
+    try:
+        kept_model, _, kept = verdict.read_text().partition("\n")
+        if kept_model == model:
+            return kept.strip()
+    except OSError:
+        pass
+    env = {**os.environ, _AMX_CHILD_ENV: "1"}
+    try:
+        out = subprocess.run([sys.executable, "-c", "from musespark.kernels.cpu import _amx_child; _amx_child()"],
+                             capture_output=True, text=True, timeout=600, env=env)
+        reason = "" if out.returncode == 0 else (
+            f"the AMX check failed (exit {out.returncode}): "
+            f"{(out.stdout + out.stderr).strip().splitlines()[-1] if (out.stdout + out.stderr).strip() else '?'}")
+    except (OSError, subprocess.SubprocessError) as exc:
+        reason = f"the AMX check could not run: {type(exc).__name__}: {exc}"
+    if reason:
+        warnings.warn(f"musespark: AMX tiles unused, the avx512_bf16 path runs ({reason})", RuntimeWarning,
+                      stacklevel=4)
+    try:
+        verdict.write_text(f"{model}\n{reason}")
+    except OSError:
+        pass
+    return reason
+
+
+def _amx_child() -> None:
+    """The child of `amx_check`: exits non-zero (or faults) unless the hardware tiles agree."""
+    ops = native_ops()
+    if ops is None:
+        raise SystemExit(f"no kernels: {unavailable_reason()}")
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 64, 32), (19, 80, 72), (40, 130, 1096), (33, 64, 2048)):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        w = torch.randn(n, k, generator=g).bfloat16()
+        exact = x.double() @ w.double().T
+        ops.set_isa("amx_bf16")
+        got = [ops.linear_small_m(x, w, None, pack_panels(w)), ops.linear_small_m(x, w, torch.ones(m, dtype=torch.bool))]
+        ops.set_isa("amx_emulated")
+        model = ops.linear_small_m(x, w, None, pack_panels(w))
+        for y in got:
+            err = float((y.double() - exact).abs().max())
+            ref = float((model.double() - exact).abs().max())
+            if not err <= 2 * ref + 1e-6 * float(exact.abs().max()):
+                raise SystemExit(f"{m}x{n}x{k}: largest error {err:.3g} against the software model's {ref:.3g}")
+    print("ok")
 
 
 def _compile() -> Any:

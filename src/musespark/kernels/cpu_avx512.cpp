@@ -222,6 +222,10 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
 
 }  // namespace
 
+void pack_panel_chunk(const uint16_t* w, int64_t K, int64_t np, int64_t k0, int64_t kc, uint32_t* pk) {
+  pack_panel(w, K, np, k0, kc, pk);
+}
+
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed) {
   for (int64_t n = n0; n < n1; n += kPanelRows) {

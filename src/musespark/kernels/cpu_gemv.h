@@ -11,7 +11,9 @@
 //
 // ISA dispatch (cpu_isa.h): on CPUs with AVX-512-BF16, products whose x and w both hold
 // bf16 values run `musespark_avx512::bf16_dots` or `bf16_panels` instead (vdpbf16ps; which
-// one: split_prompt_runs): the same invariance, other fixed summation orders.
+// one: split_prompt_runs): the same invariance, other fixed summation orders. On CPUs with
+// AMX (level kAmxBf16) the panel product runs on AMX tiles (`musespark_amx::bf16_panels`)
+// for every row that would take bf16_panels.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -287,10 +289,13 @@ inline uint32_t* panel_scratch() {
 }
 
 // Weight rows [n0, n1) of a bf16 job (`avx512()`), x given as bf16 bits: the panel kernel
-// for panel jobs (split_prompt_runs), else the dot-product kernel (which chunks x itself).
+// for panel jobs (split_prompt_runs; on AMX tiles on the amx_bf16 path), else the
+// dot-product kernel (which chunks x itself).
 inline void bf16_rows(const Job& b, const uint16_t* xb, int64_t n0, int64_t n1) {
   const auto* w = static_cast<const uint16_t*>(b.w);
-  if (b.panels)
+  if (b.panels && musespark_isa::amx())
+    musespark_amx::bf16_panels(xb, b.M, b.K, w, n0, n1, b.y, b.ldy, panel_scratch(), b.packed);
+  else if (b.panels)
     musespark_avx512::bf16_panels(xb, b.M, b.K, w, n0, n1, b.y, b.ldy, panel_scratch(), b.packed);
   else
     musespark_avx512::bf16_dots(xb, b.M, b.K, w, n0, n1, b.y, b.ldy);

@@ -13,13 +13,19 @@
 
 namespace musespark_isa {
 
-enum Level : int { kAvx2 = 1, kAvx512Bf16 = 3 };
+// kAmxBf16: the AVX-512-BF16 kernels, with AMX tiles for the panel product (cpu_amx.cpp).
+enum Level : int { kAvx2 = 1, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
 // The level the kernels use now (kAvx2 until set_level says otherwise).
 int level();
-// Returns false (and changes nothing) when the CPU cannot run `want`.
-bool set_level(int want);
+// Returns false (and changes nothing) when the CPU cannot run `want` (for kAmxBf16: CPUID,
+// the OS's tile state and its permission, musespark_amx::request_permission). `emulated`
+// (kAmxBf16 only, for tests on CPUs with AVX-512-BF16): the AMX schedule with a software
+// model of the tile instructions in place of the hardware.
+bool set_level(int want, bool emulated = false);
 inline bool avx512_bf16() { return level() >= kAvx512Bf16; }
+inline bool amx() { return level() >= kAmxBf16; }
+bool amx_emulated();
 
 // Batch invariance (default on): every product computes each row the same way whatever
 // the batch. Off, prompt-sized bf16 products on AVX-512-BF16/AMX CPUs use oneDNN's GEMM
@@ -49,6 +55,9 @@ constexpr int64_t kPanelK = 1024;
 constexpr int64_t kPanelWords = kPanelK / 2 * kPanelRows;
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed = nullptr);
+// Packs rows [0, np) of w (np <= 64, row stride K) over k in [k0, k0 + kc) into pk as
+// bf16_panels does (the panel layout of cpu_gemv.h panels_arg; rows past np, k past K zero).
+void pack_panel_chunk(const uint16_t* w, int64_t K, int64_t np, int64_t k0, int64_t kc, uint32_t* pk);
 
 // NVFP4 weight-only rows (cpu_nvfp4.cpp states the contract): y[m * ldy + n] for n in [n0, n1)
 // from x permuted to the decode order (per 16-block: 8 even then 8 odd elements), codes
@@ -82,3 +91,15 @@ void decode_attention(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const
                       int64_t stride, const int64_t* slots, int64_t L, float scale, float* scores, float* out);
 
 }  // namespace musespark_avx512
+
+namespace musespark_amx {
+
+// Whether this process may use the AMX tile registers (asks Linux once).
+bool request_permission();
+
+// musespark_avx512::bf16_panels by AMX tiles (cpu_amx.cpp states the summation order): the
+// same arguments and layouts, other bits. Runs where level() is kAmxBf16 (cpu_gemv.h).
+void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy, uint32_t* pk, const uint32_t* packed = nullptr);
+
+}  // namespace musespark_amx

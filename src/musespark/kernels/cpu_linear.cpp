@@ -16,6 +16,7 @@
 #include "cpu_simd.h"
 
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -26,14 +27,28 @@ namespace musespark_isa {
 
 namespace {
 std::atomic<int> current{kAvx2};
+std::atomic<bool> emulated{false};
 std::atomic<bool> invariant{true};
+
+// AMX-TILE and AMX-BF16 in CPUID (leaf 7: EDX bits 24 and 22), their state enabled by the OS
+// (XCR0 bits 17-18), and this process allowed to use it.
+bool cpu_has_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  if (!__get_cpuid(1, &a1, &b1, &c1, &d1) || !(c1 & (1u << 27))) return false;  // OSXSAVE
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17) && musespark_amx::request_permission();
+}
 }  // namespace
 
 int level() { return current.load(std::memory_order_relaxed); }
+bool amx_emulated() { return emulated.load(std::memory_order_relaxed); }
 bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
 void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxed); }
 
-bool set_level(int want) {
+bool set_level(int want, bool emulate) {
   if (want >= kAvx512Bf16) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -41,7 +56,9 @@ bool set_level(int want) {
           __builtin_cpu_supports("avx512bf16")))
       return false;
   }
-  current.store(want >= kAvx512Bf16 ? kAvx512Bf16 : kAvx2, std::memory_order_relaxed);
+  if (want >= kAmxBf16 && !emulate && !cpu_has_amx()) return false;
+  current.store(want >= kAmxBf16 ? kAmxBf16 : want >= kAvx512Bf16 ? kAvx512Bf16 : kAvx2, std::memory_order_relaxed);
+  emulated.store(want >= kAmxBf16 && emulate, std::memory_order_relaxed);
   return true;
 }
 
@@ -49,15 +66,22 @@ bool set_level(int want) {
 
 namespace {
 
-// The kernels' code path: "avx2" or "avx512_bf16" (cpu_isa.h). Returns the path now in use.
+// The kernels' code path (cpu_isa.h): "avx2", "avx512_bf16", "amx_bf16", or "amx_emulated"
+// (the amx_bf16 path with its tile instructions modelled in software: tests only). Returns
+// the path now in use.
 std::string set_isa(const std::string& path) {
-  TORCH_CHECK(path == "avx2" || path == "avx512_bf16", "set_isa: expected 'avx2' or 'avx512_bf16', got '", path, "'");
-  TORCH_CHECK(musespark_isa::set_level(path == "avx2" ? musespark_isa::kAvx2 : musespark_isa::kAvx512Bf16),
-              "set_isa: this CPU cannot run the ", path, " kernels");
+  using namespace musespark_isa;
+  const int want = path == "avx2" ? kAvx2 : path == "avx512_bf16" ? kAvx512Bf16 : kAmxBf16;
+  TORCH_CHECK(path == "avx2" || path == "avx512_bf16" || path == "amx_bf16" || path == "amx_emulated",
+              "set_isa: expected 'avx2', 'avx512_bf16', 'amx_bf16' or 'amx_emulated', got '", path, "'");
+  TORCH_CHECK(set_level(want, path == "amx_emulated"), "set_isa: this CPU cannot run the ", path, " kernels");
   return path;
 }
 
-std::string isa_path() { return musespark_isa::avx512_bf16() ? "avx512_bf16" : "avx2"; }
+std::string isa_path() {
+  using namespace musespark_isa;
+  return amx() ? (amx_emulated() ? "amx_emulated" : "amx_bf16") : avx512_bf16() ? "avx512_bf16" : "avx2";
+}
 
 // Batch invariance on or off (cpu_isa.h); returns the previous setting.
 bool set_batch_invariant(bool on) {
