@@ -267,8 +267,10 @@ def amx_check() -> str:
     if reason:
         warnings.warn(f"musespark: AMX tiles unused, the avx512_bf16 path runs ({reason})", RuntimeWarning,
                       stacklevel=4)
-    try:
-        verdict.write_text(f"{model}\n{reason}")
+    try:  # one rename: a reader sees the whole verdict or none
+        tmp = verdict.with_name(f".{verdict.name}.{os.getpid()}")
+        tmp.write_text(f"{model}\n{reason}")
+        os.replace(tmp, verdict)
     except OSError:
         pass
     return reason
