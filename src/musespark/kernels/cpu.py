@@ -209,10 +209,10 @@ def _build() -> Any:
             if not _reason:
                 _ops = _compile()
                 path = path_for(isa())
-                if path == "amx_bf16" and os.environ.get(_AMX_CHILD_ENV) != "1":
-                    _amx_reason = amx_check()
-                if path == "amx_bf16" and (_amx_reason or os.environ.get(_AMX_CHILD_ENV) == "1"):
-                    path = "avx512_bf16"
+                if path == "amx_bf16":  # the check's own child selects the tiles when it runs them
+                    _amx_reason = "" if os.environ.get(_AMX_CHILD_ENV) == "1" else amx_check()
+                    if _amx_reason or os.environ.get(_AMX_CHILD_ENV) == "1":
+                        path = "avx512_bf16"
                 _ops.set_isa(path)
                 _ops.set_batch_invariant(batch_invariant())
         except Exception as exc:  # a missing compiler or ninja, a build error: fall back, loudly
