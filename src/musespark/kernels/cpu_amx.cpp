@@ -116,8 +116,6 @@ struct Emulated {
     thread_local State s;
     return s;
   }
-  static void configure() {}
-  static void release() {}
   static void zero_c() { std::memset(&state(), 0, sizeof(State)); }
   static void load_c(const float* c, int64_t stride) {
     for (int b = 0; b < 4; ++b)
@@ -198,7 +196,6 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
   }
   uint32_t* btail = scratch<uint32_t>(2, kRows * kPanel);  // the last group's pairs, zero-padded
   float* cbuf = scratch<float>(3, kRows * kPanel);         // C of a partial block
-  Tiles::configure();
   for (int64_t n = n0; n < n1; n += kPanel) {
     const int64_t np = n1 - n < kPanel ? n1 - n : kPanel;
     for (int64_t k0 = 0; k0 < K; k0 += kPanelK) {
@@ -242,11 +239,20 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
       }
     }
   }
-  Tiles::release();
   if (tail_rows) std::memset(apart, 0, tail_rows * Kpad * sizeof(uint16_t));
 }
 
+thread_local int tile_depth = 0;  // open tiles_begin scopes of this thread
+
 }  // namespace
+
+void tiles_begin() {
+  if (tile_depth++ == 0 && !musespark_isa::amx_emulated()) Hardware::configure();
+}
+
+void tiles_end() {
+  if (--tile_depth == 0 && !musespark_isa::amx_emulated()) Hardware::release();
+}
 
 bool request_permission() {
   // Linux (5.16+) hands out the tile data state per process on request
@@ -258,10 +264,12 @@ bool request_permission() {
 
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed) {
+  tiles_begin();  // free inside the caller's scope
   if (musespark_isa::amx_emulated())
     panels<Emulated>(x, M, K, w, n0, n1, y, ldy, pk, packed);
   else
     panels<Hardware>(x, M, K, w, n0, n1, y, ldy, pk, packed);
+  tiles_end();
 }
 
 }  // namespace musespark_amx

@@ -301,6 +301,23 @@ inline void bf16_rows(const Job& b, const uint16_t* xb, int64_t n0, int64_t n1) 
     musespark_avx512::bf16_dots(xb, b.M, b.K, w, n0, n1, b.y, b.ldy);
 }
 
+// The AMX tile configuration held by this thread while it runs a stretch of panel products
+// (musespark_amx::tiles_begin; nothing on the other paths or when no job takes the panels).
+class TileScope {
+ public:
+  explicit TileScope(bool needed) : on_(needed && musespark_isa::amx()) {
+    if (on_) musespark_amx::tiles_begin();
+  }
+  ~TileScope() {
+    if (on_) musespark_amx::tiles_end();
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+
+ private:
+  bool on_;
+};
+
 // run_jobs runs several products in one parallel region (one thread wake-up, one stream of
 // weight tiles split across threads: each thread reads its own contiguous slice, and the
 // first done takes the last chunks of the others': TileRange).
@@ -445,12 +462,18 @@ inline void run_jobs(const std::vector<Job>& given) {
         weight_tile(b.x, b.M, b.K, static_cast<const float*>(b.w), b.N, n0, b.y, b.ldy, b.x_bf16);
     }
   };
+  bool panels = false;
+  for (size_t j = 0; j < jobs.size(); ++j) panels = panels || (which[j] >= 0 && jobs[j].panels);
   const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
-  if (parts == 1) return run_tiles(bounds[0], bounds[1]);
+  if (parts == 1) {
+    TileScope tiles(panels);
+    return run_tiles(bounds[0], bounds[1]);
+  }
   std::vector<TileRange> ranges(parts);
   for (int64_t p = 0; p < parts; ++p) ranges[p].reset(bounds[p], bounds[p + 1]);
   const int64_t chunk = steal_chunk(jobs, first);
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    TileScope tiles(panels);
     int64_t a = 0, b = 0;
     for (int64_t p = p0; p < p1; ++p)
       while (ranges[p].take_front(chunk, a, b)) run_tiles(a, b);
@@ -471,6 +494,7 @@ inline void run_jobs(const std::vector<Job>& given) {
 inline void run_job_here(const Job& given) {
   TORCH_CHECK(given.avx512() && musespark_isa::batch_invariant(), "run_job_here: a bf16 job on the avx512_bf16 path");
   thread_local std::vector<uint16_t> xb;
+  TileScope tiles(true);
   for (const Job& b : split_prompt_runs({given})) {
     if (b.M == 0) continue;
     if (static_cast<int64_t>(xb.size()) < b.M * b.K) xb.resize(b.M * b.K);

@@ -97,6 +97,12 @@ namespace musespark_amx {
 // Whether this process may use the AMX tile registers (asks Linux once).
 bool request_permission();
 
+// The calling thread's tile configuration, loaded by the outermost of nested begin/end pairs
+// and released by its end (LDTILECFG and TILERELEASE once per stretch of products, not per
+// call). bf16_panels opens its own scope, so a caller's scope only saves the reloads.
+void tiles_begin();
+void tiles_end();
+
 // musespark_avx512::bf16_panels by AMX tiles (cpu_amx.cpp states the summation order): the
 // same arguments and layouts, other bits. Runs where level() is kAmxBf16 (cpu_gemv.h).
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
