@@ -24,6 +24,17 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what the platform says, or ""."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
+
+
 def has_native_bf16() -> bool:
     """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX; lowered by
     MUSESPARK_ISA); without it, PyTorch's bf16 GEMMs convert element by element and are

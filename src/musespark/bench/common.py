@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from ..cpu_features import cpu_model
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -56,16 +58,6 @@ def git_commit() -> str | None:
         return out or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or ""
 
 
 def machine() -> dict[str, Any]:

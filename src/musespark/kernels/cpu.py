@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..cpu_features import cpu_flags, isa
+from ..cpu_features import cpu_flags, cpu_model, isa
 
 logger = logging.getLogger(__name__)
 
@@ -229,16 +229,6 @@ _AMX_CHILD_ENV = "MUSESPARK_AMX_CHECK_CHILD"
 _AMX_VERDICT = "amx_check.txt"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "?"
-
-
 def amx_check() -> str:
     """"" when the AMX tiles of this CPU give the products they should, else why not.
 
@@ -248,7 +238,7 @@ def amx_check() -> str:
     this process) on products with partial tiles of every kind, against float64 and against
     the software model. The verdict is kept next to the library, per CPU model."""
     verdict = cache_dir() / _AMX_VERDICT
-    model = _cpu_model()
+    model = cpu_model()
     try:
         kept_model, _, kept = verdict.read_text().partition("\n")
         if kept_model == model:
