@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .. import hugepages
+
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -100,10 +102,11 @@ class SafetensorsFile:
         return entries
 
     def read(self, name: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A fresh tensor (not backed by the file) with `name`'s data, cast to `out_dtype`."""
+        """A fresh tensor (not backed by the file) with `name`'s data, cast to `out_dtype`; a
+        large one in huge pages (`musespark.hugepages`: the weights a decode step streams)."""
         e = self.entries[name]
         target = out_dtype or e.dtype
-        out = torch.empty(e.shape, dtype=target)
+        out = hugepages.empty(e.shape, target)
         if e.end == e.start:
             return out
         assert self._mmap is not None

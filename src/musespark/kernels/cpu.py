@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import hugepages
 from ..cpu_features import cpu_flags, cpu_model, isa
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,9 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     panels = -(-n // PANEL_ROWS)
     if panels * PANEL_ROWS != n:
         pairs = torch.cat([pairs, pairs.new_zeros(pairs.shape[0], panels * PANEL_ROWS - n, k // 2)], dim=1)
-    out = pairs.view(-1, panels, PANEL_ROWS, k // 2).transpose(2, 3).contiguous()
-    return out.view(*lead, panels, k // 2, PANEL_ROWS)
+    out = hugepages.empty((*lead, panels, k // 2, PANEL_ROWS), torch.int32)  # streamed every step
+    out.view(-1, panels, k // 2, PANEL_ROWS).copy_(pairs.view(-1, panels, PANEL_ROWS, k // 2).transpose(2, 3))
+    return out
 
 
 def unavailable_reason() -> str:

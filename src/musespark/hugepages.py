@@ -1,0 +1,62 @@
+"""Large CPU tensors in transparent huge pages (2 MiB), for the weights a decode step streams.
+
+Why: a decode step reads every active weight once, front to back. With 4 KiB pages the
+CPU's stream prefetchers stop at each page boundary and every page costs a TLB walk, so one
+core's stream stalls every 4 KiB; in 2 MiB pages it does not. Measured on a 2-vCPU AMD EPYC
+(Zen 4) VM, the panel kernel over 256 MiB: 16 -> 26 GB/s on one thread, 24 -> 30 GB/s on
+two (benchmarks/RESULTS.md, session 21).
+
+PyTorch's own allocator leaves large buffers to malloc (4 KiB pages unless the system makes
+every mapping huge, or `THP_MEM_ALLOC_ENABLE=1` is set before torch's first allocation).
+`empty` maps the memory itself: an anonymous mapping advised `MADV_HUGEPAGE` before any page
+is touched, so the kernel backs it with huge pages as it is first written (no copy, no
+collapse later). Only whole 2 MiB chunks are advised: a tensor's last partial chunk stays in
+small pages, so no tensor costs more resident memory than its bytes. Where the platform has
+no `MADV_HUGEPAGE` (not Linux), or the tensor is smaller than one huge page, or
+`MUSESPARK_HUGEPAGES=0`, it is a plain `torch.empty`. With the system's THP setting at
+`never` the advice does nothing and the memory is ordinary pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import warnings
+from math import prod
+
+import torch
+
+HUGE_PAGE = 2 << 20
+ENV = "MUSESPARK_HUGEPAGES"
+
+
+def enabled() -> bool:
+    """Whether `empty` maps large tensors itself (MUSESPARK_HUGEPAGES, default on, where the
+    platform can advise huge pages)."""
+    return os.environ.get(ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor; at least one huge page's worth of bytes goes in
+    memory advised for huge pages (see the module doc). The tensor keeps its mapping alive;
+    the mapping is unmapped when the tensor's storage is freed."""
+    shape = tuple(int(d) for d in shape)
+    nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not enabled():
+        return torch.empty(shape, dtype=dtype)
+    # One huge page more than needed, so that the tensor can start on a 2 MiB boundary
+    # (untouched, that slack is address space only).
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anchor = ctypes.c_char.from_buffer(region)
+    start = -ctypes.addressof(anchor) % HUGE_PAGE
+    del anchor  # an exported pointer would pin the mapping against close()
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    except OSError:  # a kernel without THP: ordinary pages, still correct
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer's note on non-resizable storage
+        raw = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start)
+    return raw.view(dtype).view(shape)
