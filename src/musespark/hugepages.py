@@ -41,10 +41,24 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     """An uninitialized contiguous CPU tensor; at least one huge page's worth of bytes goes in
     memory advised for huge pages (see the module doc). The tensor keeps its mapping alive;
     the mapping is unmapped when the tensor's storage is freed."""
+    mapped = _mapped(shape, dtype)
+    return mapped if mapped is not None else torch.empty(tuple(shape), dtype=dtype)
+
+
+def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """`empty`, zero-filled. A fresh anonymous mapping already reads as zeros, and its pages
+    are allocated only as they are first written (as torch.zeros' calloc does)."""
+    mapped = _mapped(shape, dtype)
+    return mapped if mapped is not None else torch.zeros(tuple(shape), dtype=dtype)
+
+
+def _mapped(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+    """A tensor on a fresh anonymous mapping advised for huge pages (zero-filled), or None
+    when it is too small or the advice is off or unavailable."""
     shape = tuple(int(d) for d in shape)
     nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not enabled():
-        return torch.empty(shape, dtype=dtype)
+        return None
     # One huge page more than needed, so that the tensor can start on a 2 MiB boundary
     # (untouched, that slack is address space only).
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
