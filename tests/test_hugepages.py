@@ -97,8 +97,9 @@ def test_the_engine_keeps_its_cpu_kv_cache_in_advised_memory(tmp_path: Path) -> 
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_hidden_size=32,
                       moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                       mlp_layer_types=("dense", "sparse"), max_position_embeddings=64)
+    # 256 sequences of up to 64 tokens: 1280 blocks of 16 slots, 2.6 MB per cache.
     llm = LLM(model=save_random_checkpoint(tmp_path, cfg, seed=3), dtype="float32", max_model_len=64,
-              kv_cache_memory=64 << 20)
+              max_num_seqs=256, block_size=16, kv_cache_memory=64 << 20)
     caches = [t for pair in llm.engine.core.runner.kv_caches if pair is not None for t in pair]
     assert caches and all(t.numel() * t.element_size() >= hugepages.HUGE_PAGE for t in caches)
     assert all("hg" in vma_flags(t) for t in caches)

@@ -89,7 +89,7 @@ class StepInputs:
     prompt_rows: list[int] = field(default_factory=list)  # per sequence: its first rows that are prompt tokens
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A KV cache: on the CPU in huge pages (fewer TLB walks for the attention's reads;
     still allocated only as blocks are first written)."""
     if device.type == "cpu":
@@ -209,7 +209,7 @@ class ModelRunner:
                 f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len")
         self.num_blocks = num_blocks = given if given is not None else num_blocks
         shape = (num_blocks, cache.block_size, kv_heads, cfg.head_dim)
-        slots = {s: (_zeros(shape, model.dtype, model.device), _zeros(shape, model.dtype, model.device))
+        slots = {s: (_kv_zeros(shape, model.dtype, model.device), _kv_zeros(shape, model.dtype, model.device))
                  for s in needed}
         # Per layer: its group slot's (K, V); None for another pipeline stage's layer.
         self.kv_caches = [slots.get(s) for s in self.layout.layer_slot]
