@@ -106,3 +106,16 @@ def test_the_engine_keeps_its_cpu_kv_cache_in_advised_memory(tmp_path: Path) -> 
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@linux_thp
+def test_describe_reports_the_switch_and_the_system_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(hugepages.ENV, "0")
+    assert hugepages.describe() == f"off ({hugepages.ENV}=0)"
+    monkeypatch.setenv(hugepages.ENV, "1")
+    sysfs = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not sysfs.exists():
+        assert hugepages.describe() == "on (THP mode unknown)"
+        return
+    mode = sysfs.read_text().split("[")[1].split("]")[0]
+    assert hugepages.describe() == ("no effect (THP never)" if mode == "never" else f"on (THP {mode})")

@@ -24,6 +24,7 @@ import mmap
 import os
 import warnings
 from math import prod
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,21 @@ def enabled() -> bool:
     """Whether `empty` maps large tensors itself (MUSESPARK_HUGEPAGES, default on, where the
     platform can advise huge pages)."""
     return os.environ.get(ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def describe() -> str:
+    """What `empty` does on this machine, for reports: "on (THP madvise)", "off
+    (MUSESPARK_HUGEPAGES=0)", "no effect (THP never)", "unavailable (...)"."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "unavailable (no MADV_HUGEPAGE on this platform)"
+    if not enabled():
+        return f"off ({ENV}=0)"
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "on (THP mode unknown)"
+    mode = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+    return "no effect (THP never)" if mode == "never" else f"on (THP {mode})"
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:

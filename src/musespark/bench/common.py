@@ -68,9 +68,11 @@ def machine() -> dict[str, Any]:
         pass
     if "torch" in sys.modules:
         info["torch_num_threads"] = sys.modules["torch"].get_num_threads()
+    from .. import hugepages
     from ..cpu_features import detected_isa
 
     info["isa"] = detected_isa()
+    info["hugepages"] = hugepages.describe()
     if "musespark.kernels.cpu" in sys.modules:  # only when this run used the kernels (no build here)
         kernels = sys.modules["musespark.kernels.cpu"]
         info["kernel_path"] = kernels.kernel_path() if kernels._tried else "not loaded"

@@ -2,6 +2,7 @@
 
 import time
 
+from .. import hugepages
 from ..cpu_features import detected_isa, isa
 from .cpu import EXPERT_PANELS_ENV, amx_unusable_reason, batch_invariant, cache_dir, expert_panels_setting, kernel_path, \
     native_ops
@@ -16,3 +17,4 @@ if amx_unusable_reason():
     print(f"AMX tiles unused: {amx_unusable_reason()}")
 print(f"expert panels (avx512_bf16 path): {EXPERT_PANELS_ENV}={expert_panels_setting()} "
       "(auto: packed when the copy fits in a quarter of the available memory)")
+print(f"huge pages for weights and KV caches: {hugepages.describe()}")
