@@ -32,7 +32,10 @@ token), active = every weight but the embedding table and the unrouted experts (
 at the dtype's width. musespark's (and transformers') batch-1 decode tok/s are reported as % of it:
 the bandwidth is probed again right after each timed batch-1 run (a VM's bandwidth can move by
 half within minutes), each run is held to its own probe, and the median over runs is reported
-(`roofline.tok_s` stays the roofline at the start-of-run probe).
+(`roofline.tok_s` stays the roofline at the start-of-run probe). musespark keeps its weights in
+huge pages (`musespark.hugepages`), where one core streams faster than in the probe tensor's
+4 KiB pages: each probe is also taken in huge-page memory, and musespark's fraction against
+those is reported beside it (`musespark_pct_vs_hugepage_probes`).
 
 Expected runtime on a 2-core CPU VM (AMD EPYC): --quick ~10-20 s; bench-small with
 `--dtypes bfloat16 --cases b1,b8 --repeats 2` ~8.5 min, `--dtypes float32 --cases b1 --repeats 2`
@@ -57,7 +60,7 @@ from typing import Any
 
 import torch
 
-from musespark import LLM, SamplingParams
+from musespark import LLM, SamplingParams, hugepages
 from musespark.bench.common import print_json
 from musespark.bench.presets import PRESETS, active_weight_bytes, count_params, dtype_name, make_checkpoint, \
     preset_config
@@ -98,9 +101,12 @@ def workload(case: Case, vocab: int, seed: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def measure_bandwidth(mb: int, tries: int = 5) -> float:
-    """Memory-read bandwidth in bytes/s: best of `tries` fp32 .sum() over `mb` MiB."""
-    x = torch.ones(mb * (1 << 20) // 4, dtype=torch.float32)
+def measure_bandwidth(mb: int, tries: int = 5, huge: bool = False) -> float:
+    """Memory-read bandwidth in bytes/s: best of `tries` fp32 .sum() over `mb` MiB, in torch's
+    own memory (4 KiB pages here), or with `huge` in memory advised for huge pages as
+    musespark's weights are (`musespark.hugepages`)."""
+    n = mb * (1 << 20) // 4
+    x = hugepages.empty((n,), torch.float32).fill_(1.0) if huge else torch.ones(n, dtype=torch.float32)
     x.sum()  # first touch
     best = math.inf
     for _ in range(tries):
@@ -280,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             work = workload(case, cfg.vocab_size, args.seed)
             probe_mb = args.bandwidth_mb or (512 if args.quick else 1024)
             res = run_case(case, [ms, hf], work, repeats,
-                           probe=(lambda: measure_bandwidth(probe_mb)) if case.batch == 1 else None)
-            probes = res.pop("probes", None)
+                           probe=(lambda: (measure_bandwidth(probe_mb), measure_bandwidth(probe_mb, huge=True)))
+                           if case.batch == 1 else None)
+            both = res.pop("probes", None) or {}
+            probes = {name: [p[0] for p in got] for name, got in both.items()}
+            huge_probes = {name: [p[1] for p in got] for name, got in both.items()}
             entry = {"case": case.name, "dtype": dtype, "kind": case.kind, "requests": case.batch,
                      "input_len": list(case.input_len), "output_len": list(case.output_len),
                      "prompt_tokens": sum(len(i) for i, _ in work), "output_tokens": sum(n for _, n in work),
@@ -290,12 +299,14 @@ def main(argv: list[str] | None = None) -> int:
                 dec = res["metrics"]["decode_tok_s"]
                 active = active_weight_bytes(cfg, dtype)
 
-                def pct(name: str) -> float:  # each run against the probe taken right after it
-                    return _median([100 * r * active / bw for r, bw in zip(dec[name], probes[name])])
+                def pct(name: str, against: dict[str, list[float]]) -> float:  # each run against its own probe
+                    return _median([100 * r * active / bw for r, bw in zip(dec[name], against[name])])
 
-                entry["roofline"] = {"tok_s": roofline, "musespark_pct": pct("musespark"),
-                                     "transformers_pct": pct("transformers"),
-                                     "adjacent_probes_bytes_per_s": probes}
+                entry["roofline"] = {"tok_s": roofline, "musespark_pct": pct("musespark", probes),
+                                     "transformers_pct": pct("transformers", probes),
+                                     "adjacent_probes_bytes_per_s": probes,
+                                     "musespark_pct_vs_hugepage_probes": pct("musespark", huge_probes),
+                                     "adjacent_hugepage_probes_bytes_per_s": huge_probes}
             results.append(entry)
             head = "decode_tok_s" if case.kind == "decode" else "output_tok_s"
             summary[f"{dtype}/{case.name}/{head}"] = res["metrics"][head]["median_ratio"]
@@ -310,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                 gbs = " ".join(f"{bw / 1e9:.1f}" for bw in r["adjacent_probes_bytes_per_s"]["musespark"])
                 print(f"  roofline {r['tok_s']:.1f} tok/s at the first probe; each run against its own probe "
                       f"(musespark's: {gbs} GB/s): musespark {r['musespark_pct']:.1f} %, "
-                      f"transformers {r['transformers_pct']:.1f} %", flush=True)
+                      f"transformers {r['transformers_pct']:.1f} %; musespark against huge-page probes "
+                      f"{r['musespark_pct_vs_hugepage_probes']:.1f} %", flush=True)
         del ms, hf
         gc.collect()
     print_json({

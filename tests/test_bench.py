@@ -117,6 +117,10 @@ def test_compare_hf_quick(cache):
     probes = case["roofline"]["adjacent_probes_bytes_per_s"]
     assert len(probes["musespark"]) == len(probes["transformers"]) == 2 and positive(*probes["musespark"])
     assert positive(case["roofline"]["musespark_pct"], case["roofline"]["transformers_pct"])
+    # ... and against the same probe in huge-page memory, where musespark keeps its weights.
+    huge = case["roofline"]["adjacent_hugepage_probes_bytes_per_s"]["musespark"]
+    assert len(huge) == 2 and positive(*huge, case["roofline"]["musespark_pct_vs_hugepage_probes"])
+    assert out["machine"]["hugepages"]
     # fp32 greedy decoding of the same weights agrees token for token: both engines ran the same work.
     assert case["greedy_prefix_agreement"]["mean_tokens"] == case["greedy_prefix_agreement"]["of_tokens"]
     assert "float32/b1/decode_tok_s" in out["summary_median_ratios"]
