@@ -119,3 +119,17 @@ def test_describe_reports_the_switch_and_the_system_mode(monkeypatch: pytest.Mon
         return
     mode = sysfs.read_text().split("[")[1].split("]")[0]
     assert hugepages.describe() == ("no effect (THP never)" if mode == "never" else f"on (THP {mode})")
+
+
+@linux_thp
+def test_a_shard_is_read_into_advised_memory_with_its_pieces_in_order(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    w = torch.randn(1000, 1536)  # 5.9 MB
+    save_file({"w": w}, str(tmp_path / "s.safetensors"))
+    with SafetensorsFile(tmp_path / "s.safetensors") as f:
+        rows = f.read_shard("w", 0, ((100, 300), (900, 200)))  # the second piece runs 100 rows past the end
+        cols = f.read_shard("w", 1, ((0, 1000),), torch.bfloat16)
+    want = torch.cat([w[100:400], w[900:], torch.zeros(100, 1536)])
+    assert torch.equal(rows, want) and "hg" in vma_flags(rows)
+    assert torch.equal(cols, w[:, :1000].bfloat16()) and cols.is_contiguous()

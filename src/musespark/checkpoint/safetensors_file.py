@@ -132,10 +132,10 @@ class SafetensorsFile:
         e = self.entries[name]
         target = out_dtype or e.dtype
         shape = list(e.shape)
-        parts = []
+        shape[dim] = sum(length for _, length in pieces)
+        out = hugepages.zeros(tuple(shape), target)  # a large shard in huge pages, as `read`
+        at = 0
         for start, length in pieces:
-            shape[dim] = length
-            part = torch.zeros(shape, dtype=target)
             have = max(0, min(length, e.shape[dim] - start))
             if have and e.end > e.start:
                 assert self._mmap is not None
@@ -143,10 +143,10 @@ class SafetensorsFile:
                     warnings.simplefilter("ignore", UserWarning)
                     src = torch.frombuffer(self._mmap, dtype=e.dtype, count=(e.end - e.start) // _itemsize(e.dtype),
                                            offset=e.start).view(e.shape)
-                part.narrow(dim, 0, have).copy_(src.narrow(dim, start, have))
+                out.narrow(dim, at, have).copy_(src.narrow(dim, start, have))
                 del src
-            parts.append(part)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+            at += length
+        return out
 
     def _release(self, start: int, end: int) -> None:
         """Drop this byte range's pages from our resident set (the data stays on disk)."""
