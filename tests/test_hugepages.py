@@ -133,3 +133,12 @@ def test_a_shard_is_read_into_advised_memory_with_its_pieces_in_order(tmp_path: 
     want = torch.cat([w[100:400], w[900:], torch.zeros(100, 1536)])
     assert torch.equal(rows, want) and "hg" in vma_flags(rows)
     assert torch.equal(cols, w[:, :1000].bfloat16()) and cols.is_contiguous()
+
+
+def test_a_refused_mapping_falls_back_to_torch_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hugepages.mmap, "mmap", refuse)
+    t = hugepages.zeros((1024, 1024), torch.float32)
+    assert t.shape == (1024, 1024) and not t.any()
