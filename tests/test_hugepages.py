@@ -88,27 +88,6 @@ def test_zeros_reads_as_zeros_whichever_memory_it_takes(monkeypatch: pytest.Monk
 
 
 @linux_thp
-def test_the_engine_keeps_its_cpu_kv_cache_in_advised_memory(tmp_path: Path) -> None:
-    from conftest import save_random_checkpoint
-    from musespark import LLM, SamplingParams
-    from musespark.config import ModelConfig
-
-    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_hidden_size=32,
-                      moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                      mlp_layer_types=("dense", "sparse"), max_position_embeddings=64)
-    # 256 sequences of up to 64 tokens: 1280 blocks of 16 slots, 2.6 MB per cache.
-    llm = LLM(model=save_random_checkpoint(tmp_path, cfg, seed=3), dtype="float32", max_model_len=64,
-              max_num_seqs=256, block_size=16, kv_cache_memory=64 << 20)
-    caches = [t for pair in llm.engine.core.runner.kv_caches if pair is not None for t in pair]
-    assert caches and all(t.numel() * t.element_size() >= hugepages.HUGE_PAGE for t in caches)
-    assert all("hg" in vma_flags(t) for t in caches)
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
-
-
-@linux_thp
 def test_describe_reports_the_switch_and_the_system_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(hugepages.ENV, "0")
     assert hugepages.describe() == f"off ({hugepages.ENV}=0)"

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import hugepages
 from ..config import CacheConfig, ModelConfig
 from ..layers.attention import AttentionContext, KVGroup
 from ..layers.sampler import LogitAdjustments, SamplingBatch, penalized, sample
@@ -87,14 +86,6 @@ class StepInputs:
     scored_rows: list[tuple[int, int]]  # prompt_logprobs: (first row, rows)
     row_wise: list[int] = field(default_factory=list)  # sequences verifying drafts: attention row by row
     prompt_rows: list[int] = field(default_factory=list)  # per sequence: its first rows that are prompt tokens
-
-
-def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A KV cache: on the CPU in huge pages (fewer TLB walks for the attention's reads;
-    still allocated only as blocks are first written)."""
-    if device.type == "cpu":
-        return hugepages.zeros(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _int64(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
@@ -209,8 +200,11 @@ class ModelRunner:
                 f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len")
         self.num_blocks = num_blocks = given if given is not None else num_blocks
         shape = (num_blocks, cache.block_size, kv_heads, cfg.head_dim)
-        slots = {s: (_kv_zeros(shape, model.dtype, model.device), _kv_zeros(shape, model.dtype, model.device))
-                 for s in needed}
+        # Ordinary pages, not musespark.hugepages: a block's first write would fault a whole 2 MiB
+        # page inside a step (~7 ms on a lazily backed VM), for no measured gain in the attention
+        # (benchmarks/RESULTS.md, session 21).
+        slots = {s: (torch.zeros(shape, dtype=model.dtype, device=model.device),
+                     torch.zeros(shape, dtype=model.dtype, device=model.device)) for s in needed}
         # Per layer: its group slot's (K, V); None for another pipeline stage's layer.
         self.kv_caches = [slots.get(s) for s in self.layout.layer_slot]
 

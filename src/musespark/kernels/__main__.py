@@ -17,4 +17,4 @@ if amx_unusable_reason():
     print(f"AMX tiles unused: {amx_unusable_reason()}")
 print(f"expert panels (avx512_bf16 path): {EXPERT_PANELS_ENV}={expert_panels_setting()} "
       "(auto: packed when the copy fits in a quarter of the available memory)")
-print(f"huge pages for weights and KV caches: {hugepages.describe()}")
+print(f"huge pages for the weights: {hugepages.describe()}")
