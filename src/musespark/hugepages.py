@@ -76,7 +76,7 @@ def _mapped(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Te
     """A tensor on a fresh anonymous mapping advised for huge pages (zero-filled), or None
     when it is too small or the advice is off or unavailable."""
     shape = tuple(int(d) for d in shape)
-    nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not enabled():
         return None
     # One huge page more than needed, so that the tensor can start on a 2 MiB boundary
