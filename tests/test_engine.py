@@ -167,3 +167,20 @@ def test_prompt_rows_are_exactly_the_prompt_tokens_of_each_step(checkpoint, prom
     assert checked["prompt"] >= sum(len(p) for p in prompts[:8]) and checked["generated"] > 0
     assert llm.engine.core.scheduler.num_preemptions > 0
 
+
+
+def test_greedy_rows_take_torchs_argmax():
+    """The plain-greedy fast path's argmax (numpy on CPU) picks what torch.argmax picks: the
+    first of tied maxima, the first NaN, +inf over finite values, index 0 of an all -inf row,
+    on strided rows too."""
+    from musespark.engine.model_runner import _greedy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4096, generator=g)
+    x[1, 7] = x[1, 900] = 1e9
+    x[2, 3] = x[2, 50] = float("nan")
+    x[3] = float("-inf")
+    x[4, 10] = float("inf")
+    x[5, 4000] = x[5, 10] = x[5].max() + 1
+    for rows in (x, x[:, ::2], x.flip(0), x[:1], x.T.contiguous().T):
+        assert _greedy(rows) == rows.argmax(dim=-1).tolist()

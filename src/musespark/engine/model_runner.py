@@ -106,6 +106,15 @@ def _int64_parts(parts: list[list[int]], shapes: list[tuple[int, ...]], device: 
     return out
 
 
+def _greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax: the first index of its largest value (a NaN counts as largest), as
+    torch.argmax. A CPU tensor goes through numpy's argmax (same rule): ~3 µs against
+    torch's ~40 µs for a [1, 32768] row, more with the caches cold from a decode step."""
+    if logits.device.type == "cpu":
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _prompt_mask(inputs: StepInputs, device: torch.device) -> torch.Tensor | None:
     """[T] bool: the rows that are prompt tokens (each sequence's first `prompt_rows[i]` rows);
     None when no row is (a decode step)."""
@@ -339,7 +348,7 @@ class ModelRunner:
         if adjust.tensor is None and all(p.greedy and p.logprobs is None and not penalized(p) for p in params):
             # Plain greedy rows: `sample` would take the argmax of the logits as they are; its
             # batch tensors cost ~0.2 ms of a decode step on a CPU.
-            for r, token in zip(requests, logits.argmax(dim=-1).tolist()):
+            for r, token in zip(requests, _greedy(logits)):
                 out.sampled[r.request_id] = token
             return
         batch = SamplingBatch.build(

@@ -125,8 +125,8 @@ inline void tile_of(const float* x, int64_t K, const W* w, float* y, int64_t ldy
 }
 
 // Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x. With one row of
-// x the weight rows go one at a time (one sequential stream: measured 5-15% more
-// bandwidth than four interleaved rows); with more, 4x3 tiles reuse each loaded weight
+// x (fp32 weights; bf16 weights take one_row_streams) the weight rows go one at a time (one
+// sequential stream: measured 5-15% more bandwidth than four interleaved rows); with more, 4x3 tiles reuse each loaded weight
 // (4x3 vs 4x2: 104-126 vs 86-91 GFLOP/s at M = 64 and 512, benchmarks/RESULTS.md).
 template <typename W>
 inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, float* y,
@@ -151,6 +151,33 @@ inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_
   } else {
     for (int64_t r = n0; r < N; ++r) rows(std::integral_constant<int, 1>{}, w + r * K, y + r);
   }
+}
+
+// One row of x against weight rows [n0, n1) read as kRowStreams sequential streams in
+// lockstep: with q = (n1 - n0) / kRowStreams, step i computes rows n0 + i, n0 + q + i,
+// n0 + 2q + i, ... together (the last (n1 - n0) % kRowStreams rows one at a time). Each
+// element is tile<W, 1, 1>'s sum (one 8-lane FMA chain over K in order, then hsum), so
+// nothing changes but the speed. Why: one chain takes 8 weights per FMA latency, ~15 GB/s of
+// bf16 on one core even from cache, under what one core reads from DRAM; independent chains
+// on adjacent rows interleave short streams that the prefetchers follow badly (~10 GB/s);
+// chains on rows far apart are long streams that they follow (benchmarks/RESULTS.md,
+// session 22). Used on the AVX2 path for bf16 weights (the AVX-512 kernels have their own).
+constexpr int kRowStreams = 4;
+template <typename W>
+inline void one_row_streams(const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, float* y) {
+  constexpr int S = kRowStreams;
+  const int64_t q = (n1 - n0) / S;
+  for (int64_t i = 0; i < q; ++i) {
+    const W* rows[S];
+    __m256 acc[S];
+    for (int s = 0; s < S; ++s) rows[s] = w + (n0 + s * q + i) * K, acc[s] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+      for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(load8(rows[s] + k), xv, acc[s]);
+    }
+    for (int s = 0; s < S; ++s) y[n0 + s * q + i] = hsum(acc[s]);
+  }
+  for (int64_t n = n0 + S * q; n < n1; ++n) tile<W, 1, 1>(x, K, w + n * K, y + n, 1, kPrefetchBytes);
 }
 
 // One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32, or
@@ -180,6 +207,8 @@ struct Job {
   int64_t tiles() const { return (N + tile_rows() - 1) / tile_rows(); }
   bool nvfp4() const { return scales != nullptr; }
   bool avx512() const { return !nvfp4() && w_bf16 && x_bf16 && musespark_isa::avx512_bf16(); }
+  // One row of x by a bf16 weight on the AVX2 kernels: one_row_streams.
+  bool row_streams() const { return M == 1 && w_bf16 && !nvfp4() && !avx512(); }
 };
 
 // What the NVFP4 jobs of one run_jobs call share: x permuted to the decode order (one copy
@@ -410,10 +439,15 @@ class TileRange {
 // Tiles per take: about kStealCost of work (split_tiles' units; 64 KiB of bf16 weights at one
 // row of x), at least one tile. Small enough that the last takes even out the parts, large
 // enough that each is one stretch of the weight stream.
+// A region with one_row_streams products takes kRowStreams times as much (256 KiB of bf16
+// weights, four 64 KiB streams): measured 1.18x its batch-1 decode against 1.0x for the same
+// streams in 64 KiB takes (four 16 KiB streams) and 0.99x for the larger takes alone.
 constexpr double kStealCost = 9.0 * 32768;
 inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
   const double per_tile = total_cost(jobs, first) / static_cast<double>(std::max<int64_t>(1, first.back()));
-  return std::max<int64_t>(1, static_cast<int64_t>(kStealCost / std::max(per_tile, 1.0)));
+  const bool streams = std::any_of(jobs.begin(), jobs.end(), [](const Job& b) { return b.row_streams(); });
+  const double cost = streams ? kStealCost * kRowStreams : kStealCost;
+  return std::max<int64_t>(1, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
 }
 
 inline void run_jobs(const std::vector<Job>& given) {
@@ -446,11 +480,13 @@ inline void run_jobs(const std::vector<Job>& given) {
       while (t >= first[j + 1]) ++j;
       const Job& b = jobs[j];
       const int64_t n0 = (t - first[j]) * b.tile_rows();
-      if (which[j] >= 0 || b.nvfp4()) {  // this job's tiles in [t, t1) in one call
+      if (which[j] >= 0 || b.nvfp4() || b.row_streams()) {  // this job's tiles in [t, t1) in one call
         const int64_t t_end = std::min(t1, first[j + 1]);
         const int64_t n1 = std::min(b.N, (t_end - first[j]) * b.tile_rows());
         if (b.nvfp4())
           nvfp4_rows(b, q, j, n0, n1);
+        else if (b.row_streams())
+          one_row_streams(b.x, b.K, static_cast<const at::BFloat16*>(b.w), n0, n1, b.y);
         else
           bf16_rows(b, xb[which[j]].data(), n0, n1);
         t = t_end - 1;
