@@ -48,15 +48,18 @@ def test_linear_is_as_accurate_as_torch(wdtype, M, N, K, kernel_path):
 
 
 @needs_ops
-def test_a_row_never_depends_on_its_batch(kernel_path):
-    """Every tile shape, the remainder rows and (K = 2048: 60-row chunks on the AVX-512
-    path) several x chunks give each row the bits it gets alone."""
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_a_row_never_depends_on_its_batch(wdtype, kernel_path):
+    """Every tile shape, the remainder rows, the weight streams of products of up to three
+    rows (cpu_gemv.h stream_rows; N = 9 and 70 leave 1 and 2 rows past the streams) and
+    (K = 2048: 60-row chunks on the AVX-512 path) several x chunks give each row the bits
+    it gets alone."""
     g = torch.Generator().manual_seed(7)
     for K, N in ((2048, 9), (200, 70)):
-        w = torch.randn(N, K, generator=g).bfloat16()
-        x = torch.randn(130, K, generator=g).bfloat16()
+        w = torch.randn(N, K, generator=g).to(wdtype)
+        x = torch.randn(130, K, generator=g).to(wdtype)
         alone = torch.cat([ops.linear_small_m(x[m:m + 1], w) for m in range(130)])
-        for M in (2, 5, 6, 7, 13, 61, 130):
+        for M in (2, 3, 4, 5, 6, 7, 13, 61, 130):
             assert torch.equal(ops.linear_small_m(x[:M], w), alone[:M]), (kernel_path, K, M)
 
 

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -37,19 +38,19 @@ using musespark_simd::load8;
 template <typename W>
 constexpr int64_t kLine = 64 / sizeof(W);
 
-// Software prefetch: rows are short streams (K elements), too short for the hardware
-// prefetcher to ramp up on its own. A 4-row tile prefetches the tile after it; a single
-// row (M = 1) streams the weight front to back and prefetches this many bytes ahead.
+// Software prefetch in weight_tile: rows are short streams (K elements), too short for the
+// hardware prefetcher to ramp up on its own, so a 4-row tile prefetches the tile after it.
 constexpr int64_t kPrefetchRows = 4;
-constexpr int64_t kPrefetchBytes = 8192;
 
 // Weight rows per tile.
 constexpr int kNR = 4;
 
-// NR weight rows times MR input rows: NR*MR independent accumulators. y has row stride ldy.
-// Each row's line at byte offset `ahead` from the current one is prefetched.
+// NR weight rows (row n at w + n * ldw) times MR input rows: NR*MR independent accumulators.
+// y[m * ldy + n * ldn] gets element (m, n). Each row's line at byte offset `ahead` from the
+// current one is prefetched (0: none).
 template <typename W, int NR, int MR>
-inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t ahead) {
+inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t ldn,
+                 int64_t ahead) {
   __m256 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) acc[n][m] = _mm256_setzero_ps();
@@ -57,20 +58,21 @@ inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, i
     __m256 xv[MR];
     for (int m = 0; m < MR; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
     for (int n = 0; n < NR; ++n) {
-      __m256 wv = load8(w + n * K + k);
+      __m256 wv = load8(w + n * ldw + k);
       for (int m = 0; m < MR; ++m) acc[n][m] = _mm256_fmadd_ps(wv, xv[m], acc[n][m]);
     }
   };
   constexpr int64_t L = kLine<W>;
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    for (int n = 0; n < NR; ++n)
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + ahead, _MM_HINT_T0);
+    if (ahead)
+      for (int n = 0; n < NR; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + ahead, _MM_HINT_T0);
     for (int64_t j = 0; j < L; j += 8) step(k + j);
   }
   for (; k < K; k += 8) step(k);
   for (int n = 0; n < NR; ++n)
-    for (int m = 0; m < MR; ++m) y[m * ldy + n] = hsum(acc[n][m]);
+    for (int m = 0; m < MR; ++m) y[m * ldy + n * ldn] = hsum(acc[n][m]);
 }
 
 // fp32 weights in fp32 models (x not bf16) accumulate in double: the
@@ -78,7 +80,8 @@ inline void tile(const float* x, int64_t K, const W* w, float* y, int64_t ldy, i
 // that fp32 models would carry into their logits; `benchmarks/fp32_exactness.py`). Each
 // element: two 4-lane double accumulators over K in order, summed at the end.
 template <int NR, int MR>
-inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ldy, int64_t ahead) {
+inline void tile(const float* x, int64_t K, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t ldn,
+                 int64_t ahead) {
   __m256d lo[NR][MR], hi[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) lo[n][m] = hi[n][m] = _mm256_setzero_pd();
@@ -89,8 +92,8 @@ inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ld
       xh[m] = _mm256_cvtps_pd(_mm_loadu_ps(x + m * K + k + 4));
     }
     for (int n = 0; n < NR; ++n) {
-      const __m256d wl = _mm256_cvtps_pd(_mm_loadu_ps(w + n * K + k));
-      const __m256d wh = _mm256_cvtps_pd(_mm_loadu_ps(w + n * K + k + 4));
+      const __m256d wl = _mm256_cvtps_pd(_mm_loadu_ps(w + n * ldw + k));
+      const __m256d wh = _mm256_cvtps_pd(_mm_loadu_ps(w + n * ldw + k + 4));
       for (int m = 0; m < MR; ++m) {
         lo[n][m] = _mm256_fmadd_pd(wl, xl[m], lo[n][m]);
         hi[n][m] = _mm256_fmadd_pd(wh, xh[m], hi[n][m]);
@@ -100,8 +103,9 @@ inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ld
   constexpr int64_t L = kLine<float>;
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    for (int n = 0; n < NR; ++n)
-      _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k) + ahead, _MM_HINT_T0);
+    if (ahead)
+      for (int n = 0; n < NR; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + ahead, _MM_HINT_T0);
     for (int64_t j = 0; j < L; j += 8) step(k + j);
   }
   for (; k < K; k += 8) step(k);
@@ -110,74 +114,69 @@ inline void tile(const float* x, int64_t K, const float* w, float* y, int64_t ld
       const __m256d v = _mm256_add_pd(lo[n][m], hi[n][m]);
       __m128d t = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
       t = _mm_add_sd(t, _mm_unpackhi_pd(t, t));
-      y[m * ldy + n] = static_cast<float>(_mm_cvtsd_f64(t));
+      y[m * ldy + n * ldn] = static_cast<float>(_mm_cvtsd_f64(t));
     }
 }
 
 // bf16 weights, and fp32 weights against bf16 values (a bf16 model's fp32 router): the fp32
 // tile; fp32 weights in an fp32 model: the double-accumulating one.
 template <typename W, int NR, int MR>
-inline void tile_of(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t ahead, bool x_bf16) {
+inline void tile_of(const float* x, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t ldn,
+                    int64_t ahead, bool x_bf16) {
   if constexpr (std::is_same_v<W, float>) {
-    if (!x_bf16) return tile<NR, MR>(x, K, w, y, ldy, ahead);
+    if (!x_bf16) return tile<NR, MR>(x, K, w, ldw, y, ldy, ldn, ahead);
   }
-  tile<W, NR, MR>(x, K, w, y, ldy, ahead);
+  tile<W, NR, MR>(x, K, w, ldw, y, ldy, ldn, ahead);
 }
 
-// Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x. With one row of
-// x (fp32 weights; bf16 weights take one_row_streams) the weight rows go one at a time (one
-// sequential stream: measured 5-15% more bandwidth than four interleaved rows); with more, 4x3 tiles reuse each loaded weight
-// (4x3 vs 4x2: 104-126 vs 86-91 GFLOP/s at M = 64 and 512, benchmarks/RESULTS.md).
+// NR weight rows (as in tile) against all M rows of x: 4x3 tiles reuse each loaded weight
+// (4x3 vs 4x2: 104-126 vs 86-91 GFLOP/s at M = 64 and 512, benchmarks/RESULTS.md), the
+// last one or two rows in a shorter tile.
+template <typename W, int NR>
+inline void tile_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy,
+                      int64_t ldn, int64_t ahead, bool x_bf16) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile_of<W, NR, 3>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
+  if (m + 2 <= M)
+    tile_of<W, NR, 2>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
+  else if (m < M)
+    tile_of<W, NR, 1>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
+}
+
+// Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x (more than
+// kStreamMaxRows: fewer take stream_rows), each weight tile prefetching the next.
 template <typename W>
 inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, float* y,
                         int64_t ldy, bool x_bf16) {
-  if (M == 1) {
-    for (int64_t r = n0; r < std::min(n0 + kNR, N); ++r) tile_of<W, 1, 1>(x, K, w + r * K, y + r, ldy, kPrefetchBytes, x_bf16);
-    return;
-  }
-  auto rows = [&](auto nr, const W* wt, float* yt) {
-    constexpr int NR = decltype(nr)::value;
-    const int64_t ahead = kPrefetchRows * K * static_cast<int64_t>(sizeof(W));
-    int64_t m = 0;
-    for (; m + 3 <= M; m += 3) tile_of<W, NR, 3>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
-    if (m + 2 <= M) {
-      tile_of<W, NR, 2>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
-    } else if (m < M) {
-      tile_of<W, NR, 1>(x + m * K, K, wt, yt + m * ldy, ldy, ahead, x_bf16);
-    }
-  };
+  const int64_t ahead = kPrefetchRows * K * static_cast<int64_t>(sizeof(W));
   if (n0 + kNR <= N) {
-    rows(std::integral_constant<int, kNR>{}, w + n0 * K, y + n0);
+    tile_rows<W, kNR>(x, M, K, w + n0 * K, K, y + n0, ldy, 1, ahead, x_bf16);
   } else {
-    for (int64_t r = n0; r < N; ++r) rows(std::integral_constant<int, 1>{}, w + r * K, y + r);
+    for (int64_t r = n0; r < N; ++r) tile_rows<W, 1>(x, M, K, w + r * K, K, y + r, ldy, 1, ahead, x_bf16);
   }
 }
 
-// One row of x against weight rows [n0, n1) read as kRowStreams sequential streams in
-// lockstep: with q = (n1 - n0) / kRowStreams, step i computes rows n0 + i, n0 + q + i,
-// n0 + 2q + i, ... together (the last (n1 - n0) % kRowStreams rows one at a time). Each
-// element is tile<W, 1, 1>'s sum (one 8-lane FMA chain over K in order, then hsum), so
-// nothing changes but the speed. Why: one chain takes 8 weights per FMA latency, ~15 GB/s of
-// bf16 on one core even from cache, under what one core reads from DRAM; independent chains
-// on adjacent rows interleave short streams that the prefetchers follow badly (~10 GB/s);
-// chains on rows far apart are long streams that they follow (benchmarks/RESULTS.md,
-// session 22). Used on the AVX2 path for bf16 weights (the AVX-512 kernels have their own).
+// Weight rows [n0, n1) against a few rows of x, the weight read as kRowStreams sequential
+// streams in lockstep: with q = (n1 - n0) / kRowStreams, step i multiplies rows n0 + i,
+// n0 + q + i, n0 + 2q + i, ... (one tile whose rows are q apart; the last
+// (n1 - n0) % kRowStreams rows one at a time). Each element is the tiles' sum (one 8-lane FMA
+// chain over K in order, then hsum), so nothing changes but the speed. Why: one row of x
+// through one weight row at a time is one FMA chain, 8 weights per FMA latency, ~15 GB/s of
+// bf16 on one core even from cache; tiles of adjacent rows interleave short streams that
+// the prefetchers follow badly (10-15 GB/s at 2-8 rows of x on two cores); rows far apart
+// are long streams that they follow, with no software prefetch (benchmarks/RESULTS.md,
+// session 22). Taken by products of at most kStreamMaxRows rows on these tiles (bf16 weights
+// on the AVX2 path, fp32 weights on every path); from 4 rows the adjacent tiles, which
+// prefetch the next tile, were as fast.
 constexpr int kRowStreams = 4;
+constexpr int64_t kStreamMaxRows = 3;
 template <typename W>
-inline void one_row_streams(const float* x, int64_t K, const W* w, int64_t n0, int64_t n1, float* y) {
-  constexpr int S = kRowStreams;
-  const int64_t q = (n1 - n0) / S;
-  for (int64_t i = 0; i < q; ++i) {
-    const W* rows[S];
-    __m256 acc[S];
-    for (int s = 0; s < S; ++s) rows[s] = w + (n0 + s * q + i) * K, acc[s] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + k);
-      for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(load8(rows[s] + k), xv, acc[s]);
-    }
-    for (int s = 0; s < S; ++s) y[n0 + s * q + i] = hsum(acc[s]);
-  }
-  for (int64_t n = n0 + S * q; n < n1; ++n) tile<W, 1, 1>(x, K, w + n * K, y + n, 1, kPrefetchBytes);
+inline void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t n0, int64_t n1, float* y,
+                        int64_t ldy, bool x_bf16) {
+  const int64_t q = (n1 - n0) / kRowStreams;
+  for (int64_t i = 0; i < q; ++i)
+    tile_rows<W, kRowStreams>(x, M, K, w + (n0 + i) * K, q * K, y + n0 + i, ldy, q, 0, x_bf16);
+  for (int64_t n = n0 + kRowStreams * q; n < n1; ++n) tile_rows<W, 1>(x, M, K, w + n * K, K, y + n, ldy, 1, 0, x_bf16);
 }
 
 // One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32, or
@@ -207,8 +206,9 @@ struct Job {
   int64_t tiles() const { return (N + tile_rows() - 1) / tile_rows(); }
   bool nvfp4() const { return scales != nullptr; }
   bool avx512() const { return !nvfp4() && w_bf16 && x_bf16 && musespark_isa::avx512_bf16(); }
-  // One row of x by a bf16 weight on the AVX2 kernels: one_row_streams.
-  bool row_streams() const { return M == 1 && w_bf16 && !nvfp4() && !avx512(); }
+  // At most kStreamMaxRows rows of x on the fp32 tiles (bf16 weights on the AVX2 path, fp32
+  // weights on every path): stream_rows.
+  bool row_streams() const { return M >= 1 && M <= kStreamMaxRows && !nvfp4() && !avx512(); }
 };
 
 // What the NVFP4 jobs of one run_jobs call share: x permuted to the decode order (one copy
@@ -439,9 +439,10 @@ class TileRange {
 // Tiles per take: about kStealCost of work (split_tiles' units; 64 KiB of bf16 weights at one
 // row of x), at least one tile. Small enough that the last takes even out the parts, large
 // enough that each is one stretch of the weight stream.
-// A region with one_row_streams products takes kRowStreams times as much (256 KiB of bf16
-// weights, four 64 KiB streams): measured 1.18x its batch-1 decode against 1.0x for the same
-// streams in 64 KiB takes (four 16 KiB streams) and 0.99x for the larger takes alone.
+// A region with stream_rows products takes kRowStreams times as much (at one row of x: 256
+// KiB of bf16 weights, four 64 KiB streams). Batch-1 decode on the AVX2 path, in one process
+// with the settings alternated: streams in these takes 1.19x, in twice as large 1.18x; the
+// larger takes alone (no streams) 0.99x.
 constexpr double kStealCost = 9.0 * 32768;
 inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
   const double per_tile = total_cost(jobs, first) / static_cast<double>(std::max<int64_t>(1, first.back()));
@@ -485,8 +486,10 @@ inline void run_jobs(const std::vector<Job>& given) {
         const int64_t n1 = std::min(b.N, (t_end - first[j]) * b.tile_rows());
         if (b.nvfp4())
           nvfp4_rows(b, q, j, n0, n1);
+        else if (b.row_streams() && b.w_bf16)
+          stream_rows(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), n0, n1, b.y, b.ldy, b.x_bf16);
         else if (b.row_streams())
-          one_row_streams(b.x, b.K, static_cast<const at::BFloat16*>(b.w), n0, n1, b.y);
+          stream_rows(b.x, b.M, b.K, static_cast<const float*>(b.w), n0, n1, b.y, b.ldy, b.x_bf16);
         else
           bf16_rows(b, xb[which[j]].data(), n0, n1);
         t = t_end - 1;
