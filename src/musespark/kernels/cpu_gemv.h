@@ -45,12 +45,16 @@ constexpr int64_t kPrefetchRows = 4;
 // Weight rows per tile.
 constexpr int kNR = 4;
 
-// NR weight rows (row n at w + n * ldw) times MR input rows: NR*MR independent accumulators.
-// y[m * ldy + n * ldn] gets element (m, n). Each row's line at byte offset `ahead` from the
-// current one is prefetched (0: none).
-template <typename W, int NR, int MR>
+// NR weight rows times MR input rows: NR*MR independent accumulators; y has row stride ldy.
+// Adjacent tiles (Far false): weight row n at w + n * K, element (m, n) to y[m * ldy + n],
+// each row's line at byte offset `ahead` from the current one prefetched. Far tiles
+// (stream_rows): row n at w + n * ldw, element (m, n) to y[m * ldy + n * ldn], no prefetch.
+// (A template flag, so that the adjacent tiles' loop is exactly what it was before far
+// tiles existed: a run-time stride cost AVX2 prompts ~5 %.)
+template <typename W, int NR, int MR, bool Far>
 inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t ldn,
                  int64_t ahead) {
+  if constexpr (!Far) ldw = K, ldn = 1;
   __m256 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) acc[n][m] = _mm256_setzero_ps();
@@ -65,7 +69,7 @@ inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* y, i
   constexpr int64_t L = kLine<W>;
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    if (ahead)
+    if constexpr (!Far)
       for (int n = 0; n < NR; ++n)
         _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + ahead, _MM_HINT_T0);
     for (int64_t j = 0; j < L; j += 8) step(k + j);
@@ -79,9 +83,10 @@ inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* y, i
 // dot product rounded once, as exact as fp32 allows (an fp32 sum over K picks up an error
 // that fp32 models would carry into their logits; `benchmarks/fp32_exactness.py`). Each
 // element: two 4-lane double accumulators over K in order, summed at the end.
-template <int NR, int MR>
+template <int NR, int MR, bool Far>
 inline void tile(const float* x, int64_t K, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t ldn,
                  int64_t ahead) {
+  if constexpr (!Far) ldw = K, ldn = 1;
   __m256d lo[NR][MR], hi[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) lo[n][m] = hi[n][m] = _mm256_setzero_pd();
@@ -103,7 +108,7 @@ inline void tile(const float* x, int64_t K, const float* w, int64_t ldw, float* 
   constexpr int64_t L = kLine<float>;
   int64_t k = 0;
   for (; k + L <= K; k += L) {
-    if (ahead)
+    if constexpr (!Far)
       for (int n = 0; n < NR; ++n)
         _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + ahead, _MM_HINT_T0);
     for (int64_t j = 0; j < L; j += 8) step(k + j);
@@ -120,27 +125,27 @@ inline void tile(const float* x, int64_t K, const float* w, int64_t ldw, float* 
 
 // bf16 weights, and fp32 weights against bf16 values (a bf16 model's fp32 router): the fp32
 // tile; fp32 weights in an fp32 model: the double-accumulating one.
-template <typename W, int NR, int MR>
+template <typename W, int NR, int MR, bool Far>
 inline void tile_of(const float* x, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t ldn,
                     int64_t ahead, bool x_bf16) {
   if constexpr (std::is_same_v<W, float>) {
-    if (!x_bf16) return tile<NR, MR>(x, K, w, ldw, y, ldy, ldn, ahead);
+    if (!x_bf16) return tile<NR, MR, Far>(x, K, w, ldw, y, ldy, ldn, ahead);
   }
-  tile<W, NR, MR>(x, K, w, ldw, y, ldy, ldn, ahead);
+  tile<W, NR, MR, Far>(x, K, w, ldw, y, ldy, ldn, ahead);
 }
 
 // NR weight rows (as in tile) against all M rows of x: 4x3 tiles reuse each loaded weight
 // (4x3 vs 4x2: 104-126 vs 86-91 GFLOP/s at M = 64 and 512, benchmarks/RESULTS.md), the
 // last one or two rows in a shorter tile.
-template <typename W, int NR>
+template <typename W, int NR, bool Far>
 inline void tile_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy,
                       int64_t ldn, int64_t ahead, bool x_bf16) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) tile_of<W, NR, 3>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
+  for (; m + 3 <= M; m += 3) tile_of<W, NR, 3, Far>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
   if (m + 2 <= M)
-    tile_of<W, NR, 2>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
+    tile_of<W, NR, 2, Far>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
   else if (m < M)
-    tile_of<W, NR, 1>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
+    tile_of<W, NR, 1, Far>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
 }
 
 // Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x (more than
@@ -150,9 +155,9 @@ inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_
                         int64_t ldy, bool x_bf16) {
   const int64_t ahead = kPrefetchRows * K * static_cast<int64_t>(sizeof(W));
   if (n0 + kNR <= N) {
-    tile_rows<W, kNR>(x, M, K, w + n0 * K, K, y + n0, ldy, 1, ahead, x_bf16);
+    tile_rows<W, kNR, false>(x, M, K, w + n0 * K, K, y + n0, ldy, 1, ahead, x_bf16);
   } else {
-    for (int64_t r = n0; r < N; ++r) tile_rows<W, 1>(x, M, K, w + r * K, K, y + r, ldy, 1, ahead, x_bf16);
+    for (int64_t r = n0; r < N; ++r) tile_rows<W, 1, false>(x, M, K, w + r * K, K, y + r, ldy, 1, ahead, x_bf16);
   }
 }
 
@@ -175,8 +180,8 @@ inline void stream_rows(const float* x, int64_t M, int64_t K, const W* w, int64_
                         int64_t ldy, bool x_bf16) {
   const int64_t q = (n1 - n0) / kRowStreams;
   for (int64_t i = 0; i < q; ++i)
-    tile_rows<W, kRowStreams>(x, M, K, w + (n0 + i) * K, q * K, y + n0 + i, ldy, q, 0, x_bf16);
-  for (int64_t n = n0 + kRowStreams * q; n < n1; ++n) tile_rows<W, 1>(x, M, K, w + n * K, K, y + n, ldy, 1, 0, x_bf16);
+    tile_rows<W, kRowStreams, true>(x, M, K, w + (n0 + i) * K, q * K, y + n0 + i, ldy, q, 0, x_bf16);
+  for (int64_t n = n0 + kRowStreams * q; n < n1; ++n) tile_rows<W, 1, true>(x, M, K, w + n * K, K, y + n, ldy, 1, 0, x_bf16);
 }
 
 // One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32, or
