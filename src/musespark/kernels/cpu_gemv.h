@@ -25,7 +25,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -49,8 +48,7 @@ constexpr int kNR = 4;
 // Adjacent tiles (Far false): weight row n at w + n * K, element (m, n) to y[m * ldy + n],
 // each row's line at byte offset `ahead` from the current one prefetched. Far tiles
 // (stream_rows): row n at w + n * ldw, element (m, n) to y[m * ldy + n * ldn], no prefetch.
-// (A template flag, so that the adjacent tiles' loop is exactly what it was before far
-// tiles existed: a run-time stride cost AVX2 prompts ~5 %.)
+// (A template flag: the adjacent tiles' loop stays the code it was before far tiles existed.)
 template <typename W, int NR, int MR, bool Far>
 inline void tile(const float* x, int64_t K, const W* w, int64_t ldw, float* y, int64_t ldy, int64_t ldn,
                  int64_t ahead) {
@@ -444,14 +442,16 @@ class TileRange {
 // Tiles per take: about kStealCost of work (split_tiles' units; 64 KiB of bf16 weights at one
 // row of x), at least one tile. Small enough that the last takes even out the parts, large
 // enough that each is one stretch of the weight stream.
-// A region with stream_rows products takes kRowStreams times as much (at one row of x: 256
-// KiB of bf16 weights, four 64 KiB streams). Batch-1 decode on the AVX2 path, in one process
-// with the settings alternated: streams in these takes 1.19x, in twice as large 1.18x; the
-// larger takes alone (no streams) 0.99x.
+// A region whose products all take stream_rows takes kRowStreams times as much (at one row
+// of x: 256 KiB of bf16 weights, four 64 KiB streams). Batch-1 decode on the AVX2 path, in one
+// process with the settings alternated: streams in these takes 1.19x, in twice as large
+// 1.18x; the larger takes alone (no streams) 0.99x. (A region that mixes them, a bf16 model's
+// fp32 router beside packed panels on the AVX-512 path, keeps the panels' takes.)
 constexpr double kStealCost = 9.0 * 32768;
 inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
   const double per_tile = total_cost(jobs, first) / static_cast<double>(std::max<int64_t>(1, first.back()));
-  const bool streams = std::any_of(jobs.begin(), jobs.end(), [](const Job& b) { return b.row_streams(); });
+  const bool streams =
+      std::all_of(jobs.begin(), jobs.end(), [](const Job& b) { return b.M == 0 || b.row_streams(); });
   const double cost = streams ? kStealCost * kRowStreams : kStealCost;
   return std::max<int64_t>(1, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
 }
