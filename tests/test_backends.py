@@ -1,7 +1,8 @@
 """One model, built once, through both compute backends in the same process.
 
 The torch backend is the reference; the cpu backend (native kernels) must give the same
-greedy tokens, and logits within the stated tolerance, on the bundled model:
+greedy tokens (fed the reference's tokens, it picks the reference's token at every step but
+a near-tie: see TIE), and logits within the stated tolerance, on the bundled model:
 * bf16: largest difference <= 0.1 of the largest |logit| and mean difference <= 0.01 of the
   mean |logit| (measured: at most 0.06 and 0.006). The fused blocks round to bf16 at the
   same places as the reference, but their fp32 sums run in another order, so a bf16
@@ -27,21 +28,29 @@ MODEL = Path(__file__).resolve().parents[1] / "src" / "musespark" / "models" / "
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):"]
 NEW_TOKENS = 24
 BLOCK = 4
+# A step may pick another token than the reference only where the reference's logits for the
+# two are within this fraction of its largest |logit| (two bf16 ulps at the bottom of a binade:
+# a tie one rounding of the head's bf16 output can flip). (On
+# an AMX Xeon, where torch's bf16 products sum in another order than on Zen 4, the reference
+# puts 713 one bf16 step of the head's output above 385 at step 10 of "class Stack"; every
+# native path makes the two equal, and argmax takes the first.)
+TIE = 2**-6
 
 needs_ops = pytest.mark.skipif(cpu.native_ops() is None, reason="the cpu backend needs the native kernels "
                                "(test_cpu_kernels checks they build on x86-64 Linux with AVX2)")
 
 
-def paged_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+def paged_greedy(model, prompt: list[int], n: int, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Greedy decoding the way the engine runs it: the prompt in two chunks, then one token
-    per step, keys and values in a paged cache -> (tokens, logits of every step [n, V])."""
+    per step, keys and values in a paged cache -> (argmax of every step, logits of every
+    step [n, V]). `forced`: the tokens fed back instead of the argmaxes (teacher forcing)."""
     cfg = model.config
     blocks = (len(prompt) + n) // BLOCK + 1
     shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
     kv = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
           for _ in range(cfg.num_hidden_layers)]
     table = torch.randperm(blocks, generator=torch.Generator().manual_seed(0))[None, :]
-    ids, done, logits = list(prompt), 0, []
+    ids, done, logits, picks = list(prompt), 0, [], []
     half = len(prompt) // 2
     with torch.inference_mode():
         for step in range(n + 1):
@@ -56,8 +65,9 @@ def paged_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Ten
                 continue
             row = model.compute_logits(hidden[-1:])[0]
             logits.append(row)
-            ids.append(int(row.argmax()))
-    return ids[len(prompt):], torch.stack(logits)
+            picks.append(int(row.argmax()))
+            ids.append(picks[-1] if forced is None else forced[step - 1])
+    return picks, torch.stack(logits)
 
 
 @needs_ops
@@ -70,12 +80,13 @@ def test_both_backends_agree_on_the_bundled_model(dtype, tol, mean_tol, kernel_p
     calls = backends["cpu"].ops = _CountingOps(backends["cpu"].ops)
     for text in PROMPTS:
         ids = tokenizer.encode(text)
-        got = {}
-        for name, backend in backends.items():
-            model.backend = backend
-            got[name] = (model.prompt_logits(ids), *paged_greedy(model, ids, NEW_TOKENS))
-        (ref_prompt, ref_tokens, ref_steps), (cpu_prompt, cpu_tokens, cpu_steps) = got["torch"], got["cpu"]
-        assert cpu_tokens == ref_tokens, text
+        model.backend = backends["torch"]
+        ref_prompt, (ref_tokens, ref_steps) = model.prompt_logits(ids), paged_greedy(model, ids, NEW_TOKENS)
+        model.backend = backends["cpu"]
+        cpu_prompt, (cpu_tokens, cpu_steps) = model.prompt_logits(ids), paged_greedy(model, ids, NEW_TOKENS, ref_tokens)
+        for step, (ref_tok, cpu_tok, ref) in enumerate(zip(ref_tokens, cpu_tokens, ref_steps.float())):
+            gap = float(ref[ref_tok] - ref[cpu_tok]) / float(ref.abs().max())
+            assert gap <= TIE, f"{text!r} step {step}: {cpu_tok} instead of {ref_tok} (reference gap {gap:.1e})"
         for ours, ref in ((cpu_prompt, ref_prompt), (cpu_steps, ref_steps)):
             err = float((ours - ref).abs().max() / ref.abs().max())
             assert err <= tol, f"{text!r}: relative logit error {err:.1e} > {tol}"
