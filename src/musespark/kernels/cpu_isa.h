@@ -108,4 +108,13 @@ void tiles_end();
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed = nullptr);
 
+// musespark_avx512::prefill_attention_rows on AMX tiles (cpu_amx_attention.cpp states the
+// summation order): the same arguments and packed layouts, with the keys packed to a multiple
+// of 32 (zeros past m); other bits. Runs where level() is kAmxBf16 and
+// prefill_attention_fits(D) (cpu_prefill_attention.cpp).
+bool prefill_attention_fits(int64_t D);
+void prefill_attention_rows(const uint16_t* q, int64_t nH, int64_t D, int64_t head, const uint16_t* kp,
+                            const uint16_t* vp, int64_t m, int64_t q0, int64_t k0, int64_t window, float scale,
+                            int64_t t0, int64_t t1, uint16_t* out);
+
 }  // namespace musespark_amx

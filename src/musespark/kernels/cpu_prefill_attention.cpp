@@ -59,7 +59,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   auto out = at::empty({n, nH, D}, q.options());
   if (n == 0) return out;
-  const int64_t G = nH / nKV, blocks = (m + 15) / 16, per_head = blocks * 16 * D;
+  // Keys packed to a multiple of 32 (zeros past m): the AMX kernel reads blocks of 32.
+  const int64_t G = nH / nKV, blocks = (m + 31) / 32 * 2, per_head = blocks * 16 * D;
   std::vector<uint16_t> kp(nKV * per_head), vp(nKV * per_head);
   const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
   const auto* kptr = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());
@@ -70,13 +71,17 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   });
   constexpr int64_t kTokens = 32;  // tokens of one head per task
   const int64_t tasks_per_head = (n + kTokens - 1) / kTokens;
+  const bool tiles = musespark_isa::amx() && musespark_amx::prefill_attention_fits(D);
+  const auto rows = tiles ? musespark_amx::prefill_attention_rows : musespark_avx512::prefill_attention_rows;
   at::parallel_for(0, nH * tasks_per_head, 1, [&](int64_t w0, int64_t w1) {
+    if (tiles) musespark_amx::tiles_begin();  // the tile configuration once per thread
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t head = w / tasks_per_head, t0 = (w % tasks_per_head) * kTokens;
       const int64_t t1 = std::min(n, t0 + kTokens), h = head / G;
-      musespark_avx512::prefill_attention_rows(qp, nH, D, head, kp.data() + h * per_head, vp.data() + h * per_head,
-                                               m, q_start, k_start, window, static_cast<float>(scale), t0, t1, op);
+      rows(qp, nH, D, head, kp.data() + h * per_head, vp.data() + h * per_head, m, q_start, k_start, window,
+           static_cast<float>(scale), t0, t1, op);
     }
+    if (tiles) musespark_amx::tiles_end();
   });
   return out;
 }
