@@ -103,6 +103,17 @@ def test_abort_frees_blocks(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_the_engine_answers_to_vllms_name(llm):
+    """vLLM users drive the engine as `llm.llm_engine`: a request added there runs to the end."""
+    engine = llm.llm_engine
+    engine.add_request("vllm-name", ids(5, 6, 7), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == "vllm-name"]
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(max_tokens=-1), "max_tokens"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(temperature=-0.5), "temperature"), (dict(n=0), "n"),

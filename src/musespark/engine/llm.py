@@ -66,6 +66,11 @@ class LLM:
         self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine under vLLM's name for it (`llm.llm_engine.add_request(...)`, `.step()`)."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

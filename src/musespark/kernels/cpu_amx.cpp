@@ -21,12 +21,11 @@
 // one fixed grouping, 16 pairs (32 k) per TDPBF16PS from k = 0, the last group zero-padded;
 // between 1024-k chunks it is stored to y and reloaded (fp32, exact). Nothing in that depends
 // on M, on which rows share a tile (a tile's rows never mix), on the arrangement (2 x 2 or
-// 1 x 4), on n0/n1 or on the thread, so a row gets the same bits in any batch. The bits differ from the vdpbf16ps panel kernel's, so
-// a CPU runs one or the other for every row (cpu_isa.h level()).
+// 1 x 4), on n0/n1 or on the thread, so a row gets the same bits in any batch. The bits
+// differ from the vdpbf16ps panel kernel's, so a CPU runs one or the other for every row
+// (cpu_isa.h level()).
 //
-// `Emulated` runs the same schedule with a software model of the four tile instructions: the
-// tests run every product through it on CPUs without AMX (it checks the layout, padding and
-// grouping; only a CPU with AMX checks the hardware's own rounding).
+// The tile instructions, and their software model for the tests: cpu_amx_tiles.h.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -43,6 +42,7 @@
 
 namespace musespark_amx {
 namespace {
+
 template <class Tiles>
 void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y, int64_t ldy,
             uint32_t* pk, const uint32_t* packed) {

@@ -1,7 +1,7 @@
 // AMX-BF16 tile primitives shared by the tile kernels (cpu_amx.cpp: the panel product;
 // cpu_amx_attention.cpp: prompt attention). Included only by files compiled for AVX-512
-// (their `#pragma GCC target`), after the pragma and after the standard headers below (so
-// that none of them is compiled for AVX-512 here); everything here has internal linkage.
+// (their `#pragma GCC target`), after the pragma; the headers it needs (below) come before
+// the pragma, so none of them is compiled for AVX-512. Everything here has internal linkage.
 //
 // `Hardware` issues the tile instructions; `Emulated` models them in software (TDPBF16PS as
 // the Intel SDM states it per element), so the tests run every tile schedule on CPUs without
