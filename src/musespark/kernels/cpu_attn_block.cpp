@@ -108,6 +108,13 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
       for (int64_t i = 0; i < nH; ++i) {
         const int64_t base = (t * nH + i) * D;
         rms_row(op + base, D, nullptr, e, false, 1.f, tmp, x + base, !bf16);
+        if (!bf16) {  // fp32: the gate in double, rounded once
+          for (int64_t j = 0; j < D; ++j) {
+            const double gj = static_cast<double>(gp[base + j]);
+            x[base + j] = static_cast<float>(static_cast<double>(x[base + j]) / (1.0 + std::exp(-gj)));
+          }
+          continue;
+        }
         for (int64_t j = 0; j < D; ++j) tmp[j] = static_cast<float>(gp[base + j]);
         for (int64_t j = 0; j < D; j += 8) {  // D % 8 == 0; sigmoid with the fused blocks' exp
           float* xj = x + base + j;

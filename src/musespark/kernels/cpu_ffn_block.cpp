@@ -23,6 +23,14 @@ void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
   using namespace musespark_simd;
   auto r16 = [bf16](__m256 v) { return bf16 ? round_bf16_8(v) : v; };
   at::parallel_for(0, n, kRowGrain, [&](int64_t r0, int64_t r1) {
+    if (!bf16) {  // fp32: silu(gate) * up in double, rounded once
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = 0; i < I; ++i) {
+          const double gate = gu[r * 2 * I + i], up = gu[r * 2 * I + I + i];
+          act[r * I + i] = static_cast<float>(gate / (1.0 + std::exp(-gate)) * up);
+        }
+      return;
+    }
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = 0; i < I; i += 8) {
         const __m256 gate = _mm256_loadu_ps(gu + r * 2 * I + i), up = _mm256_loadu_ps(gu + r * 2 * I + I + i);
