@@ -48,11 +48,13 @@ namespace {
 // 1.02-1.08x and 1.04-1.10x faster than the hardware prefetcher alone (in-process A/Bs in
 // different phases of the machine; one group ahead or three: about the same, four: less,
 // eight: 0.89x; into L2 instead of L1: 0.96x; benchmarks/RESULTS.md, session 23). Past the
-// last group it touches the next panel or past the weight: prefetches never fault.
+// last group it touches the next panel or past the weight (an address, not a pointer into
+// the weight: prefetches never fault).
 constexpr int64_t kPrefetchGroups = 2;
-inline void prefetch_group(const uint32_t* b) {
-  const char* p = reinterpret_cast<const char*>(b);
-  for (int64_t line = 0; line < kRows * kPanel * 4; line += 64) _mm_prefetch(p + line, _MM_HINT_T0);
+constexpr int64_t kGroupBytes = kRows * kPanel * 4;
+inline void prefetch_group(uintptr_t address) {
+  for (int64_t line = 0; line < kGroupBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(address + line), _MM_HINT_T0);
 }
 
 template <class Tiles>
@@ -142,7 +144,7 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
         // streams from memory: its lines kPrefetchGroups groups ahead are fetched now.
         const bool stream = packed != nullptr && pairs == 0 && blk == 0;
         for (int64_t g = 0; g < groups; ++g) {
-          if (stream) prefetch_group(panel + (g + kPrefetchGroups) * kRows * kPanel);
+          if (stream) prefetch_group(reinterpret_cast<uintptr_t>(panel) + (g + kPrefetchGroups) * kGroupBytes);
           Tiles::step(a + g * kStepK, a_stride, panel + g * kRows * kPanel);
         }
         if (tail) {
