@@ -43,7 +43,6 @@ template <class Tiles>
 void attend(const uint16_t* q, int64_t nH, int64_t D, int64_t head, const uint16_t* kp, const uint16_t* vp, int64_t m,
             int64_t q0, int64_t k0, int64_t window, float scale, int64_t t0, int64_t t1, uint16_t* out) {
   const int64_t pairs = D / 2, chunks = D / 16;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   float* s = scratch<float>(4, kRows * kKeys);       // scores of the block
   uint16_t* p = scratch<uint16_t>(5, kRows * kKeys);  // weights of the block, bf16
@@ -82,10 +81,7 @@ void attend(const uint16_t* q, int64_t nH, int64_t D, int64_t head, const uint16
           const int64_t pos = q0 + t + r;
           __mmask16 reach = 0;
           for (int n = 0; n < 2; ++n) {
-            const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo + 16 * n)), lane);
-            ok[n] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
-                    _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k0 + m)));
-            if (window > 0) ok[n] &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - window)));
+            ok[n] = musespark_simd512::reachable16(lo + 16 * n, pos, k0 + m, window);
             sc[n] = _mm512_mask_mov_ps(neg_inf, ok[n], sc[n]);
             reach |= ok[n];
           }

@@ -14,6 +14,7 @@
 #include "cpu_simd512.h"
 
 using musespark_simd512::exp16;
+using musespark_simd512::reachable16;
 
 namespace musespark_avx512 {
 namespace {
@@ -439,7 +440,6 @@ template <int R, int CH>
 void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp, const uint16_t* vp, int64_t m,
                  int64_t q0, int64_t k0, int64_t window, float scale, int64_t t, int rows, uint16_t* out) {
   constexpr int64_t D = 16 * CH, pairs = D / 2;
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   // Keys any of these rows reaches: positions (pos - window, pos], as key indices.
   const int64_t first_pos = q0 + t, last_pos = q0 + t + rows - 1;
@@ -472,11 +472,7 @@ void attend_rows(const uint16_t* q, int64_t nH, int64_t head, const uint16_t* kp
         const int64_t pos = q0 + t + r;
         __mmask16 any = 0;
         for (int n = 0; n < NB; ++n) {
-          const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo + 16 * n)), lane);
-          ok[n] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
-                  _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(k0 + m)));
-          if (window > 0) ok[n] &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - window)));
-          if (r >= rows) ok[n] = 0;
+          ok[n] = r < rows ? reachable16(lo + 16 * n, pos, k0 + m, window) : 0;
           sc[n] = _mm512_mask_mov_ps(neg_inf, ok[n], sc[n]);
           any |= ok[n];
         }

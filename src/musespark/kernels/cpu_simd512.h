@@ -2,7 +2,7 @@
 // cpu_amx_attention.cpp): included after their `#pragma GCC target`, never by the AVX2 world
 // (cpu_isa.h); internal linkage.
 #pragma once
-// Needs, included before the pragma: <immintrin.h>.
+// Needs, included before the pragma: <cstdint> <immintrin.h>.
 
 namespace musespark_simd512 {
 namespace {
@@ -23,6 +23,18 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// Which of the 16 keys at positions first .. first + 15 a query at position pos reaches in
+// prompt attention: (pos - window, pos] (window 0: every key up to pos), below `end` (one
+// past the last key's position).
+inline __mmask16 reachable16(int64_t first, int64_t pos, int64_t end, int64_t window) {
+  const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) &
+                 _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(end)));
+  if (window > 0) ok &= _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - window)));
+  return ok;
 }
 
 }  // namespace
