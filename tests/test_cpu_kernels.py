@@ -140,20 +140,32 @@ def test_prompt_rows_argument_is_checked():
         ops.linear_small_m(x, w, torch.ones(4, dtype=torch.float32))
 
 
-def test_pack_panels_lays_out_each_weight_pair_where_the_kernel_reads_it():
-    """Word [p, q, c] of the panels holds the bf16 bits of w[64p + c, 2q] (low half) and
-    w[64p + c, 2q + 1] (high half); rows past N are zero. Checked element by element."""
+@pytest.mark.parametrize("K", [6, 32, 76])
+def test_pack_panels_lays_out_each_weight_pair_where_the_kernel_reads_it(K):
+    """Panel p holds the bf16 bits of w[64p + c, 2q] (low half) and w[64p + c, 2q + 1] (high
+    half) at its word 1024 g + 16 gp b + 16 r + c % 16 (pair q = 16 g + r, block b = c // 16,
+    gp the pairs of group g: 16 or the last group's rest); rows past N are zero. Checked
+    element by element, against the formula written out here, for a single short group (K 6),
+    whole groups (K 32) and whole groups then a short one (K 76)."""
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(70, 6, generator=g).bfloat16()
+    w = torch.randn(70, K, generator=g).bfloat16()
     panels = cpu.pack_panels(w)
-    assert panels.dtype == torch.int32 and panels.shape == (2, 3, 64) and panels.is_contiguous()
+    assert panels.dtype == torch.int32 and panels.shape == (2, K // 2, 64) and panels.is_contiguous()
     bits = w.view(torch.int16).to(torch.int64) & 0xFFFF
+    seen = set()
     for p in range(2):
-        for q in range(3):
+        words = panels[p].flatten()
+        for q in range(K // 2):
+            group, r = divmod(q, 16)
+            gp = min(16, K // 2 - 16 * group)
             for c in range(64):
                 n = 64 * p + c
                 want = int(bits[n, 2 * q]) | int(bits[n, 2 * q + 1]) << 16 if n < 70 else 0
-                assert int(panels[p, q, c]) & 0xFFFFFFFF == want, (p, q, c)
+                at = 1024 * group + 16 * gp * (c // 16) + 16 * r + c % 16
+                assert at == cpu.panel_word(q, c, K // 2)
+                assert int(words[at]) & 0xFFFFFFFF == want, (p, q, c)
+                seen.add((p, at))
+    assert len(seen) == 2 * K // 2 * 64  # every word is some pair's
     with pytest.raises(ValueError, match="bfloat16 \\[N, K\\] weight with K even"):
         cpu.pack_panels(w.float())
     with pytest.raises(ValueError, match="K even"):

@@ -74,10 +74,10 @@ def test_checkpoint_weights_and_packed_panels_are_read_into_advised_memory(tmp_p
     assert torch.equal(big, w) and "hg" in vma_flags(big) and "hg" not in vma_flags(small)
     panels = cpu.pack_panels(big)
     assert "hg" in vma_flags(panels)
-    # The layout pack_panels documents: panel p's word [q, c] = the pair (w[64p + c, 2q], w[64p + c, 2q + 1]).
+    # The layout pack_panels documents: the pair (w[64p + c, 2q], w[64p + c, 2q + 1]) at panel_word(q, c, K / 2).
     pairs = w.view(torch.int32)
     for p, q, c in [(0, 0, 0), (3, 17, 5), (15, 767, 63)]:
-        assert panels[p, q, c] == pairs[64 * p + c, q]
+        assert panels[p].flatten()[cpu.panel_word(q, c, 768)] == pairs[64 * p + c, q]
 
 
 def test_zeros_reads_as_zeros_whichever_memory_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:

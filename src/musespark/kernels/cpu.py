@@ -130,14 +130,18 @@ def amx_unusable_reason() -> str:
 
 
 PANEL_ROWS = 64  # kernels/cpu_isa.h kPanelRows
+GROUP_PAIRS = 16  # kernels/cpu_isa.h kGroupPairs
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (K even) in the layout the AVX-512-BF16 panel kernel reads
-    (kernels/cpu_gemv.h `panels_arg`): int32 [ceil(N / 64), K / 2, 64], panel p's word [q, c]
-    holding the bf16 pair (w[64p + c, 2q], w[64p + c, 2q + 1]), low half first; rows past N
-    are zeros. Experts [E, N, K] give each expert's panels in turn: [E, ceil(N / 64), K / 2, 64].
-    A second copy of the weight (the same bytes), made once per weight."""
+    """A bf16 weight [N, K] (K even) in the layout both panel kernels read (kernels/cpu_isa.h,
+    kernels/cpu_gemv.h `panels_arg`): int32 [ceil(N / 64), K / 2, 64], panel p's K / 2 * 64
+    words in tile order. The word of (pair q, column c) holds the bf16 pair (w[64p + c, 2q],
+    w[64p + c, 2q + 1]), low half first, and sits at `panel_word(q, c, K // 2)`: the pairs in
+    groups of 16 (4 KiB; the last may be shorter), each group as 4 blocks of 16 columns (1 KiB
+    AMX tiles), each block pair after pair. Rows past N are zeros. Experts [E, N, K] give each
+    expert's panels in turn: [E, ceil(N / 64), K / 2, 64]. A second copy of the weight (the
+    same bytes), made once per weight."""
     if w.dtype != torch.bfloat16 or w.dim() not in (2, 3) or w.shape[-1] % 2:
         raise ValueError("pack_panels: expected a bfloat16 [N, K] weight with K even (or experts' [E, N, K]), "
                          f"got {w.dtype} {tuple(w.shape)}")
@@ -147,8 +151,25 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     if panels * PANEL_ROWS != n:
         pairs = torch.cat([pairs, pairs.new_zeros(pairs.shape[0], panels * PANEL_ROWS - n, k // 2)], dim=1)
     out = hugepages.empty((*lead, panels, k // 2, PANEL_ROWS), torch.int32)  # streamed every step
-    out.view(-1, panels, k // 2, PANEL_ROWS).copy_(pairs.view(-1, panels, PANEL_ROWS, k // 2).transpose(2, 3))
+    # [lead, panel, block b, column in block, pair] -> per group [pair in group, b, column]
+    src = pairs.view(-1, panels, PANEL_ROWS // 16, 16, k // 2)
+    dst = out.view(-1, panels, k // 2 * PANEL_ROWS)
+    full = k // 2 // GROUP_PAIRS * GROUP_PAIRS  # pairs in whole groups
+    if full:
+        groups = full // GROUP_PAIRS
+        dst[..., :full * PANEL_ROWS].view(-1, panels, groups, PANEL_ROWS // 16, GROUP_PAIRS, 16).copy_(
+            src[..., :full].view(-1, panels, PANEL_ROWS // 16, 16, groups, GROUP_PAIRS).permute(0, 1, 4, 2, 5, 3))
+    if full < k // 2:  # the last, shorter group
+        dst[..., full * PANEL_ROWS:].view(-1, panels, PANEL_ROWS // 16, k // 2 - full, 16).copy_(
+            src[..., full:].permute(0, 1, 2, 4, 3))
     return out
+
+
+def panel_word(q: int, c: int, pairs: int) -> int:
+    """The word of (pair q, column c) in a panel of `pairs` pairs (kernels/cpu_isa.h)."""
+    g, r = divmod(q, GROUP_PAIRS)
+    gp = min(GROUP_PAIRS, pairs - g * GROUP_PAIRS)
+    return g * GROUP_PAIRS * PANEL_ROWS + 16 * gp * (c // 16) + 16 * r + c % 16
 
 
 def unavailable_reason() -> str:

@@ -12,8 +12,8 @@
 //   16-31), A0 and A1 the two blocks' next 32 k, B0 and B1 the half panel's next 16 k pairs;
 // * 1 x 4 (`step`, a single or partial block): C_b the block against panel columns
 //   16b..16b+15, A the block's next 32 k, B the panel's next 16 k pairs of 16 columns.
-// A is 16 rows of 32 bf16; B is 16 rows of 16 pair words: exactly the panel layout, 256
-// bytes from one pair to the next. Why 2 x 2 where it can: a tile load costs about three
+// A is 16 rows of 32 bf16; B is 16 rows of 16 pair words: one block of a group of the panel
+// layout (cpu_isa.h), 1 KiB of consecutive memory. Why 2 x 2 where it can: a tile load costs about three
 // TDPBF16PS on the Xeon measured (15.5 vs 5 ns), and 2 x 2 loads 4 tiles per 4 products
 // where 1 x 4 loads 5 (benchmarks/RESULTS.md, session 23).
 //
@@ -43,15 +43,17 @@
 namespace musespark_amx {
 namespace {
 
-// Decode rows stream each packed panel from memory, 4 KiB per group of 16 k pairs. On the
-// Xeon measured, fetching every line two groups ahead made batch-1 and 8-request decode
-// 1.02-1.08x and 1.04-1.10x faster than the hardware prefetcher alone (in-process A/Bs in
-// different phases of the machine; one group ahead or three: about the same, four: less,
-// eight: 0.89x; into L2 instead of L1: 0.96x; benchmarks/RESULTS.md, session 23). Past the
-// last group it touches the next panel or past the weight (an address, not a pointer into
-// the weight: prefetches never fault).
-constexpr int64_t kPrefetchGroups = 2;
-constexpr int64_t kGroupBytes = kRows * kPanel * 4;
+// Decode rows stream each packed panel from memory, one 4 KiB group of 16 k pairs per step.
+// At each group they fetch the 64 lines that start half a group past it (so every line once,
+// 2-6 KiB ahead of the tile loads): the hardware prefetcher alone does not run far enough
+// ahead. On the Xeon measured (in one process, alternated run by run; benchmarks/RESULTS.md,
+// session 24) half a group ahead made batch-1 and 8-request decode 1.05x and 1.06x faster
+// than two groups ahead (session 23's distance), and a 256 MiB weight streamed at 28.6 GB/s
+// against 26.1 (a 29.1 GB/s `sum` probe). Past the last group it touches the next panel or
+// past the weight (an address, not a pointer into the weight: prefetches never fault).
+constexpr int64_t kGroupWords = musespark_avx512::kGroupWords;
+constexpr int64_t kGroupBytes = kGroupWords * 4;
+constexpr int64_t kPrefetchAhead = kGroupBytes / 2;
 inline void prefetch_group(uintptr_t address) {
   for (int64_t line = 0; line < kGroupBytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(address + line), _MM_HINT_T0);
@@ -94,9 +96,11 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
       if (!packed) musespark_avx512::pack_panel_chunk(w + n * K, K, np, k0, kc, pk);
       const int64_t groups = kc / kStepK;  // full groups of this chunk
       const bool tail = kc % kStepK != 0;  // then the chunk is K's last, and tail_k is its rest
-      if (tail) {
+      if (tail) {  // the last group's gp pairs, as a full group with zero pairs after them
+        const int64_t gp = tail_k / 2;
         std::memset(btail, 0, kRows * kPanel * sizeof(uint32_t));
-        std::memcpy(btail, panel + groups * kRows * kPanel, (tail_k / 2) * kPanel * sizeof(uint32_t));
+        for (int64_t b = 0; b < 4; ++b)
+          std::memcpy(btail + b * kBlockWords, panel + groups * kGroupWords + 16 * gp * b, gp * 16 * sizeof(uint32_t));
       }
       for (int64_t p = 0; p < pairs; ++p)
         for (int64_t c0 = 0; c0 < np; c0 += 32) {  // one half panel: columns [c0, c0 + nc)
@@ -113,10 +117,11 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
           }
           const uint16_t* a = x + m0 * K + k0;
           for (int64_t g = 0; g < groups; ++g)
-            Tiles::step2(a + g * kStepK, a + kRows * K + g * kStepK, K * 2, panel + g * kRows * kPanel + c0);
+            Tiles::step2(a + g * kStepK, a + kRows * K + g * kStepK, K * 2,
+                         panel + g * kGroupWords + c0 / 16 * kBlockWords);
           if (tail) {
             const uint16_t* at = atail + 2 * p * kRows * kStepK;
-            Tiles::step2(at, at + kRows * kStepK, kStepK * 2, btail + c0);
+            Tiles::step2(at, at + kRows * kStepK, kStepK * 2, btail + c0 / 16 * kBlockWords);
           }
           if (nc == 32) {
             Tiles::store_c2(yb, ldy * 4);
@@ -141,11 +146,11 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
         const uint16_t* a = mt == kRows ? x + m0 * K + k0 : apart + k0;
         const int64_t a_stride = (mt == kRows ? K : Kpad) * 2;
         // A packed panel read first by this pass (decode-sized rows: no 2 x 2 pass before it)
-        // streams from memory: its lines kPrefetchGroups groups ahead are fetched now.
+        // streams from memory: the lines half a group ahead are fetched now.
         const bool stream = packed != nullptr && pairs == 0 && blk == 0;
         for (int64_t g = 0; g < groups; ++g) {
-          if (stream) prefetch_group(reinterpret_cast<uintptr_t>(panel) + (g + kPrefetchGroups) * kGroupBytes);
-          Tiles::step(a + g * kStepK, a_stride, panel + g * kRows * kPanel);
+          if (stream) prefetch_group(reinterpret_cast<uintptr_t>(panel) + g * kGroupBytes + kPrefetchAhead);
+          Tiles::step(a + g * kStepK, a_stride, panel + g * kGroupWords);
         }
         if (tail) {
           if (mt == kRows)

@@ -16,7 +16,10 @@ namespace {
 constexpr int64_t kRows = 16;          // rows of every tile
 constexpr int64_t kStepK = 32;         // k per TDPBF16PS (16 pairs)
 constexpr int64_t kPanel = musespark_avx512::kPanelRows;  // 64 weight rows: C0-C3
-constexpr int64_t kPairBytes = kPanel * 4;                // one k pair of a panel: 256 bytes
+// A full group of a panel (cpu_isa.h layout): B tile b at words 256 b, its 16 pairs 64
+// bytes apart.
+constexpr int64_t kBlockWords = musespark_avx512::kGroupWords / 4;
+constexpr int64_t kBlockRowBytes = 64;
 
 // The tile instructions by inline assembly (the tile numbers are part of the instruction),
 // each with a memory clobber: a tile load must see the stores before it, and the compiler
@@ -74,13 +77,13 @@ struct Hardware {
     MS_TILE_STORE(2, c + 4 * stride, stride);
     MS_TILE_STORE(3, c + 4 * stride + 16, stride);
   }
-  // One group of 16 k pairs, 2 x 2: A0, A1 from a0, a1 (a_stride bytes between rows), B0, B1
-  // from b, b + 16.
+  // One full group of 16 k pairs, 2 x 2: A0, A1 from a0, a1 (a_stride bytes between rows),
+  // B0, B1 the blocks at b and b + kBlockWords.
   static void step2(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const uint32_t* b) {
     MS_TILE_LOAD(4, a0, a_stride);
-    MS_TILE_LOAD(6, b, kPairBytes);
+    MS_TILE_LOAD(6, b, kBlockRowBytes);
     MS_TILE_DP(0, 4, 6);
-    MS_TILE_LOAD(7, b + 16, kPairBytes);
+    MS_TILE_LOAD(7, b + kBlockWords, kBlockRowBytes);
     MS_TILE_DP(1, 4, 7);
     MS_TILE_LOAD(5, a1, a_stride);
     MS_TILE_DP(2, 5, 6);
@@ -121,17 +124,17 @@ struct Hardware {
       MS_TILE_STORE(1, o + 16 * c + 16, D * 4);
     }
   }
-  // One group of 16 k pairs, 1 x 4: A from a (16 rows, a_stride bytes apart), B_b from
-  // b + 16 b (pair words, 16 rows 256 bytes apart). B tiles rotate through tmm5-7.
+  // One full group of 16 k pairs at b, 1 x 4: A from a (16 rows, a_stride bytes apart), B_b
+  // the group's block b. B tiles rotate through tmm5-7.
   static void step(const uint16_t* a, int64_t a_stride, const uint32_t* b) {
     MS_TILE_LOAD(4, a, a_stride);
-    MS_TILE_LOAD(5, b, kPairBytes);
+    MS_TILE_LOAD(5, b, kBlockRowBytes);
     MS_TILE_DP(0, 4, 5);
-    MS_TILE_LOAD(6, b + 16, kPairBytes);
+    MS_TILE_LOAD(6, b + kBlockWords, kBlockRowBytes);
     MS_TILE_DP(1, 4, 6);
-    MS_TILE_LOAD(7, b + 32, kPairBytes);
+    MS_TILE_LOAD(7, b + 2 * kBlockWords, kBlockRowBytes);
     MS_TILE_DP(2, 4, 7);
-    MS_TILE_LOAD(5, b + 48, kPairBytes);
+    MS_TILE_LOAD(5, b + 3 * kBlockWords, kBlockRowBytes);
     MS_TILE_DP(3, 4, 5);
   }
 };
@@ -181,7 +184,7 @@ struct Emulated {
   }
   // TDPBF16PS into C tile t: A from a (rows a_stride bytes apart), B from b (pair words, rows
   // b_stride words apart).
-  static void dp(int t, const uint16_t* a, int64_t a_stride, const uint32_t* b, int64_t b_stride = kPanel) {
+  static void dp(int t, const uint16_t* a, int64_t a_stride, const uint32_t* b, int64_t b_stride) {
     for (int m = 0; m < kRows; ++m) {
       const auto* row = reinterpret_cast<const uint16_t*>(reinterpret_cast<const char*>(a) + m * a_stride);
       for (int n = 0; n < 16; ++n) {
@@ -197,7 +200,7 @@ struct Emulated {
     }
   }
   static void step(const uint16_t* a, int64_t a_stride, const uint32_t* b) {
-    for (int blk = 0; blk < 4; ++blk) dp(blk, a, a_stride, b + 16 * blk);
+    for (int blk = 0; blk < 4; ++blk) dp(blk, a, a_stride, b + blk * kBlockWords, 16);
   }
   static void scores(const uint16_t* q, int64_t q_stride, int64_t D, const uint16_t* kb, int64_t pairs, float* s) {
     zero_c();
@@ -219,10 +222,10 @@ struct Emulated {
     }
   }
   static void step2(const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const uint32_t* b) {
-    dp(0, a0, a_stride, b);
-    dp(1, a0, a_stride, b + 16);
-    dp(2, a1, a_stride, b);
-    dp(3, a1, a_stride, b + 16);
+    dp(0, a0, a_stride, b, 16);
+    dp(1, a0, a_stride, b + kBlockWords, 16);
+    dp(2, a1, a_stride, b, 16);
+    dp(3, a1, a_stride, b + kBlockWords, 16);
   }
 };
 

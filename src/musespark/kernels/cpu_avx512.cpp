@@ -145,14 +145,16 @@ void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
 namespace {
 
 // A panel is 64 weight rows (4 blocks of 16: one zmm of outputs each) packed so that a
-// 64-byte load holds one k pair of 16 rows: pk[p][c] = (w[c, 2p], w[c, 2p + 1]) for the
-// panel's column c. A tile of 6 x rows broadcasts each x pair and multiplies it into the
-// 4 blocks: 24 accumulators, no lane sums at the end, the packed panel read from L1/L2
-// and reused by every tile of x. No software prefetch: packed weights are one sequential
-// stream the hardware prefetchers follow, and the NTA prefetch they had cost batch-1 decode
-// 5-15 % whenever the memory was fast (benchmarks/RESULTS.md, session 18).
+// 64-byte load holds one k pair of 16 rows (the layout of cpu_isa.h: a group's 16 pairs of
+// block b are 16 consecutive such loads). A tile of 6 x rows broadcasts each x pair and
+// multiplies it into the 4 blocks: 24 accumulators, no lane sums at the end, the packed
+// panel read from L1/L2 and reused by every tile of x. Each of the 4 block streams fetches
+// its line kPanelAhead pairs ahead into L1 (T0; session 18's NTA prefetch cost decode 5-15 %
+// on Zen 4): on the Xeon measured, batch-1 rows 1.2x faster, 8 rows 1.13x, prompt tiles
+// unchanged (benchmarks/RESULTS.md, session 24; not measured on Zen 4).
 constexpr int kBlocks = kPanelRows / 16;
 constexpr int kPanelMR = 6;
+constexpr int64_t kPanelAhead = 8;
 
 // r[i] = 16 dwords of row i -> r[j] = dword j of rows 0..15 (4 rounds of 16 shuffles).
 inline void transpose16(__m512i* r) {
@@ -197,8 +199,9 @@ inline void pack_panel(const uint16_t* w, int64_t K, int64_t np, int64_t k0, int
         r[i] = _mm512_maskz_loadu_epi16(mask, p);
       }
       transpose16(r);
-      const int64_t pairs = left >= 32 ? 16 : (left + 1) / 2;
-      for (int64_t p = 0; p < pairs; ++p) _mm512_store_si512(pk + (k / 2 + p) * kPanelRows + blk * 16, r[p]);
+      const int64_t pairs = left >= 32 ? 16 : (left + 1) / 2;  // this group's (cpu_isa.h panel layout)
+      uint32_t* block = pk + k / 32 * kGroupWords + 16 * pairs * blk;
+      for (int64_t p = 0; p < pairs; ++p) _mm512_store_si512(block + 16 * p, r[p]);
     }
 }
 
@@ -213,12 +216,22 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
       acc[m][b] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(cols[b], y + m * ldy + 16 * b);
   const int32_t* xp = reinterpret_cast<const int32_t*>(x + k0);  // x pairs (K even)
   const int64_t K2 = K / 2, pairs = (kc + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wv[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) wv[b] = (__m512bh)_mm512_load_si512(pk + p * kPanelRows + 16 * b);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[m * K2 + p]);
-      for (int b = 0; b < kBlocks; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
+  // The groups of the panel layout (cpu_isa.h): whole ones (blocks kGroupWords / 4 apart),
+  // then a shorter last one (gp pairs: blocks 16 gp apart).
+  for (int64_t g0 = 0; g0 < pairs; g0 += kGroupPairs) {
+    const bool whole = g0 + kGroupPairs <= pairs;
+    const int64_t gp = whole ? kGroupPairs : pairs - g0, block = whole ? kGroupWords / kBlocks : 16 * gp;
+    const uint32_t* row = pk + g0 * kPanelRows;
+    const int32_t* xq = xp + g0;
+    for (int64_t r = 0; r < gp; ++r, row += 16, ++xq) {
+      __m512bh wv[kBlocks];
+      for (int b = 0; b < kBlocks; ++b) wv[b] = (__m512bh)_mm512_load_si512(row + b * block);
+      for (int b = 0; b < kBlocks; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(row + b * block + 16 * kPanelAhead), _MM_HINT_T0);
+      for (int m = 0; m < MR; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xq[m * K2]);
+        for (int b = 0; b < kBlocks; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
+      }
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -242,7 +255,7 @@ void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
     }
     for (int64_t k0 = 0; k0 < K; k0 += kPanelK) {
       const int64_t kc = K - k0 < kPanelK ? K - k0 : kPanelK;
-      // Packed once (`packed`, [ceil(N / 64), K / 2, 64] pairs, n0 a multiple of 64) or now.
+      // Packed once (`packed`, ceil(N / 64) panels of K / 2 * 64 words, n0 a multiple of 64) or now.
       const uint32_t* panel = packed ? packed + n / kPanelRows * (K / 2 * kPanelRows) + k0 / 2 * kPanelRows : pk;
       if (!packed) pack_panel(w + n * K, K, np, k0, kc, pk);
       // ceil(M / 6) tiles of near-equal height (as rows_of_tile): each element's sum is the

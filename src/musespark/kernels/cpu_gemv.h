@@ -560,10 +560,10 @@ inline const uint8_t* prompt_flags(const c10::optional<at::Tensor>& rows, int64_
 }
 
 // A bf16 weight's panels argument (the ops' optional `panels`; an expert weight's second
-// part): for w [N, K], int32 [ceil(N / 64), K / 2, 64], panel p's word [q, c] = bf16 bits of
-// (w[64p + c, 2q], w[64p + c, 2q + 1]), low half first, rows past N zero; for experts
-// w [E, N, K], each expert's panels in turn, [E, ceil(N / 64), K / 2, 64] (kernels/cpu.py
-// pack_panels makes both). Null when absent.
+// part): for w [N, K], int32 [ceil(N / 64), K / 2, 64], panel p's K / 2 * 64 words holding
+// the pairs (w[64p + c, 2q], w[64p + c, 2q + 1]) in the panel layout of cpu_isa.h, rows past
+// N zero; for experts w [E, N, K], each expert's panels in turn, [E, ceil(N / 64), K / 2, 64]
+// (kernels/cpu.py pack_panels makes both). Null when absent.
 inline const uint32_t* panels_arg(const c10::optional<at::Tensor>& panels, const at::Tensor& w, const char* name) {
   if (!panels.has_value() || !panels->defined()) return nullptr;
   const at::Tensor& p = *panels;

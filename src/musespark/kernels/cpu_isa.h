@@ -50,9 +50,19 @@ void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
 // Each (m, n) is one fp32 lane summing the k pairs in order from +0, vdpbf16ps per pair
 // (each bf16 product exact): the same whatever M, n0, n1. A different order from
 // bf16_dots, so a row must always take the same one of the two. K % 8 == 0.
+//
+// Panel layout (packed once, cpu_gemv.h panels_arg, or on the fly): a panel holds 64 weight
+// rows (columns of y) over K/2 k pairs, one uint32 per (pair q, column c): the bf16 bits of
+// (w[c, 2q], w[c, 2q + 1]), low half first. The pairs come in groups of 16 (the last may be
+// shorter: gp pairs); group g starts at word 1024 g and holds 4 blocks of 16 columns, block b
+// at 16 gp b; in a block, pair r's 16 columns at 16 r (kernels/cpu.py panel_word). So a
+// group is one 4 KiB stretch and each block in it a 1 KiB AMX tile (16 pairs x 64 bytes),
+// loaded as one run of memory.
 constexpr int64_t kPanelRows = 64;
 constexpr int64_t kPanelK = 1024;
 constexpr int64_t kPanelWords = kPanelK / 2 * kPanelRows;
+constexpr int64_t kGroupPairs = 16;                         // k pairs per group
+constexpr int64_t kGroupWords = kGroupPairs * kPanelRows;   // 1024 words: 4 KiB
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed = nullptr);
 // Packs rows [0, np) of w (np <= 64, row stride K) over k in [k0, k0 + kc) into pk as
