@@ -180,12 +180,16 @@ def test_pack_panels_lays_out_each_weight_pair_where_the_kernel_reads_it(K):
 
 
 @needs_ops
-@pytest.mark.parametrize("M,N,K", [(1, 1, 8), (3, 70, 40), (6, 64, 64), (13, 129, 1032), (70, 200, 2056)])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 8), (3, 70, 40), (6, 64, 64), (13, 129, 1032), (70, 200, 2056),
+                                   (533, 200, 264)])
 def test_packed_panels_give_every_row_the_panel_kernels_bits(M, N, K, kernel_path):
     """A weight with its panels (`panels=pack_panels(w)`): on the AVX-512 path every row,
     prompt or not, takes the panel kernel on the packed copy: the bits a prompt row gets
     from the weight packed on the fly, alone or in any batch; on the AVX2 path the panels are
-    ignored. Shapes: a partial last panel, several K chunks, several x tiles."""
+    ignored. Shapes: a partial last panel, several K chunks, several x tiles; 533 rows: on
+    the AMX path two superblocks of 256 rows against several panels per call, then an odd
+    block and a partial one (kernels/cpu_amx.cpp), where the weight packed on the fly takes
+    every row against one panel at a time."""
     g = torch.Generator().manual_seed(M * 5 + N + K)
     w = torch.randn(N, K, generator=g).bfloat16()
     x = torch.randn(M, K, generator=g).bfloat16()

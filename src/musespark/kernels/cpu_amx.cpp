@@ -88,84 +88,96 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
   // Packed panels are read in one pass over K (C stays in the tiles); panels packed now, in
   // chunks of kPanelK (the scratch's size).
   const int64_t chunk = packed ? K : kPanelK;
-  for (int64_t n = n0; n < n1; n += kPanel) {
+  // Panel n's chunk at k0 (packed now unless `packed`): the 2 x 2 pairs [p0, p1), then, with
+  // `rest`, the odd full block and the partial one.
+  auto pass = [&](int64_t n, int64_t k0, int64_t p0, int64_t p1, bool rest) {
     const int64_t np = n1 - n < kPanel ? n1 - n : kPanel;
-    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-      const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
-      const uint32_t* panel = packed ? packed + n / kPanel * (K / 2 * kPanel) + k0 / 2 * kPanel : pk;
-      if (!packed) musespark_avx512::pack_panel_chunk(w + n * K, K, np, k0, kc, pk);
-      const int64_t groups = kc / kStepK;  // full groups of this chunk
-      const bool tail = kc % kStepK != 0;  // then the chunk is K's last, and tail_k is its rest
-      if (tail) {  // the last group's gp pairs, as a full group with zero pairs after them
-        const int64_t gp = tail_k / 2;
-        std::memset(btail, 0, kRows * kPanel * sizeof(uint32_t));
-        for (int64_t b = 0; b < 4; ++b)
-          std::memcpy(btail + b * kBlockWords, panel + groups * kGroupWords + 16 * gp * b, gp * 16 * sizeof(uint32_t));
-      }
-      for (int64_t p = 0; p < pairs; ++p)
-        for (int64_t c0 = 0; c0 < np; c0 += 32) {  // one half panel: columns [c0, c0 + nc)
-          const int64_t m0 = 2 * p * kRows, nc = np - c0 < 32 ? np - c0 : 32;
-          float* yb = y + m0 * ldy + n + c0;
-          if (k0 == 0) {
-            Tiles::zero_c();
-          } else if (nc == 32) {
-            Tiles::load_c2(yb, ldy * 4);
-          } else {
-            std::memset(cbuf, 0, 2 * kRows * 32 * sizeof(float));
-            for (int64_t r = 0; r < 2 * kRows; ++r) std::memcpy(cbuf + r * 32, yb + r * ldy, nc * 4);
-            Tiles::load_c2(cbuf, 32 * 4);
-          }
-          const uint16_t* a = x + m0 * K + k0;
-          for (int64_t g = 0; g < groups; ++g)
-            Tiles::step2(a + g * kStepK, a + kRows * K + g * kStepK, K * 2,
-                         panel + g * kGroupWords + c0 / 16 * kBlockWords);
-          if (tail) {
-            const uint16_t* at = atail + 2 * p * kRows * kStepK;
-            Tiles::step2(at, at + kRows * kStepK, kStepK * 2, btail + c0 / 16 * kBlockWords);
-          }
-          if (nc == 32) {
-            Tiles::store_c2(yb, ldy * 4);
-          } else {
-            Tiles::store_c2(cbuf, 32 * 4);
-            for (int64_t r = 0; r < 2 * kRows; ++r) std::memcpy(yb + r * ldy, cbuf + r * 32, nc * 4);
-          }
-        }
-      for (int64_t blk = 2 * pairs; blk * kRows < M; ++blk) {  // an odd full block, the partial one
-        const int64_t m0 = blk * kRows, mt = M - m0 < kRows ? M - m0 : kRows;
-        const bool direct = mt == kRows && np == kPanel;  // C straight from and to y
-        float* yb = y + m0 * ldy + n;
+    const int64_t kc = K - k0 < chunk ? K - k0 : chunk;
+    const uint32_t* panel = packed ? packed + n / kPanel * (K / 2 * kPanel) + k0 / 2 * kPanel : pk;
+    if (!packed) musespark_avx512::pack_panel_chunk(w + n * K, K, np, k0, kc, pk);
+    const int64_t groups = kc / kStepK;  // full groups of this chunk
+    const bool tail = kc % kStepK != 0;  // then the chunk is K's last, and tail_k is its rest
+    if (tail) {  // the last group's gp pairs, as a full group with zero pairs after them
+      const int64_t gp = tail_k / 2;
+      std::memset(btail, 0, kRows * kPanel * sizeof(uint32_t));
+      for (int64_t b = 0; b < 4; ++b)
+        std::memcpy(btail + b * kBlockWords, panel + groups * kGroupWords + 16 * gp * b, gp * 16 * sizeof(uint32_t));
+    }
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c0 = 0; c0 < np; c0 += 32) {  // one half panel: columns [c0, c0 + nc)
+        const int64_t m0 = 2 * p * kRows, nc = np - c0 < 32 ? np - c0 : 32;
+        float* yb = y + m0 * ldy + n + c0;
         if (k0 == 0) {
           Tiles::zero_c();
-        } else if (direct) {
-          Tiles::load_c(yb, ldy * 4);
+        } else if (nc == 32) {
+          Tiles::load_c2(yb, ldy * 4);
         } else {
-          std::memset(cbuf, 0, kRows * kPanel * sizeof(float));
-          for (int64_t r = 0; r < mt; ++r) std::memcpy(cbuf + r * kPanel, yb + r * ldy, np * 4);
-          Tiles::load_c(cbuf, kPanel * 4);
+          std::memset(cbuf, 0, 2 * kRows * 32 * sizeof(float));
+          for (int64_t r = 0; r < 2 * kRows; ++r) std::memcpy(cbuf + r * 32, yb + r * ldy, nc * 4);
+          Tiles::load_c2(cbuf, 32 * 4);
         }
-        const uint16_t* a = mt == kRows ? x + m0 * K + k0 : apart + k0;
-        const int64_t a_stride = (mt == kRows ? K : Kpad) * 2;
-        // A packed panel read first by this pass (decode-sized rows: no 2 x 2 pass before it)
-        // streams from memory: the lines half a group ahead are fetched now.
-        const bool stream = packed != nullptr && pairs == 0 && blk == 0;
-        for (int64_t g = 0; g < groups; ++g) {
-          if (stream) prefetch_group(reinterpret_cast<uintptr_t>(panel) + g * kGroupBytes + kPrefetchAhead);
-          Tiles::step(a + g * kStepK, a_stride, panel + g * kGroupWords);
-        }
+        const uint16_t* a = x + m0 * K + k0;
+        for (int64_t g = 0; g < groups; ++g)
+          Tiles::step2(a + g * kStepK, a + kRows * K + g * kStepK, K * 2,
+                       panel + g * kGroupWords + c0 / 16 * kBlockWords);
         if (tail) {
-          if (mt == kRows)
-            Tiles::step(atail + blk * kRows * kStepK, kStepK * 2, btail);
-          else
-            Tiles::step(a + groups * kStepK, a_stride, btail);
+          const uint16_t* at = atail + 2 * p * kRows * kStepK;
+          Tiles::step2(at, at + kRows * kStepK, kStepK * 2, btail + c0 / 16 * kBlockWords);
         }
-        if (direct) {
-          Tiles::store_c(yb, ldy * 4);
+        if (nc == 32) {
+          Tiles::store_c2(yb, ldy * 4);
         } else {
-          Tiles::store_c(cbuf, kPanel * 4);
-          for (int64_t r = 0; r < mt; ++r) std::memcpy(yb + r * ldy, cbuf + r * kPanel, np * 4);
+          Tiles::store_c2(cbuf, 32 * 4);
+          for (int64_t r = 0; r < 2 * kRows; ++r) std::memcpy(yb + r * ldy, cbuf + r * 32, nc * 4);
         }
       }
+    for (int64_t blk = 2 * pairs; rest && blk * kRows < M; ++blk) {  // an odd full block, the partial one
+      const int64_t m0 = blk * kRows, mt = M - m0 < kRows ? M - m0 : kRows;
+      const bool direct = mt == kRows && np == kPanel;  // C straight from and to y
+      float* yb = y + m0 * ldy + n;
+      if (k0 == 0) {
+        Tiles::zero_c();
+      } else if (direct) {
+        Tiles::load_c(yb, ldy * 4);
+      } else {
+        std::memset(cbuf, 0, kRows * kPanel * sizeof(float));
+        for (int64_t r = 0; r < mt; ++r) std::memcpy(cbuf + r * kPanel, yb + r * ldy, np * 4);
+        Tiles::load_c(cbuf, kPanel * 4);
+      }
+      const uint16_t* a = mt == kRows ? x + m0 * K + k0 : apart + k0;
+      const int64_t a_stride = (mt == kRows ? K : Kpad) * 2;
+      // A packed panel read first by this pass (decode-sized rows: no 2 x 2 pass before it)
+      // streams from memory: the lines half a group ahead are fetched now.
+      const bool stream = packed != nullptr && pairs == 0 && blk == 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        if (stream) prefetch_group(reinterpret_cast<uintptr_t>(panel) + g * kGroupBytes + kPrefetchAhead);
+        Tiles::step(a + g * kStepK, a_stride, panel + g * kGroupWords);
+      }
+      if (tail) {
+        if (mt == kRows)
+          Tiles::step(atail + blk * kRows * kStepK, kStepK * 2, btail);
+        else
+          Tiles::step(a + groups * kStepK, a_stride, btail);
+      }
+      if (direct) {
+        Tiles::store_c(yb, ldy * 4);
+      } else {
+        Tiles::store_c(cbuf, kPanel * 4);
+        for (int64_t r = 0; r < mt; ++r) std::memcpy(yb + r * ldy, cbuf + r * kPanel, np * 4);
+      }
     }
+  };
+  // Rows in superblocks of kSuperRows (2 x 2 pairs), each against every panel of the call
+  // before the next (packed panels only: panels packed now are packed once per panel): the
+  // superblock's rows (256 x K bf16) stay in L2 across the panels, where all M rows would
+  // not (run_jobs takes several panels at a time for such rows: cpu_gemv.h steal_chunk). The
+  // order of the passes changes no sum.
+  const int64_t super_pairs = kSuperRows / (2 * kRows);
+  const int64_t super = packed && pairs > super_pairs ? super_pairs : (pairs > 0 ? pairs : 1);
+  for (int64_t p0 = 0; p0 < (pairs > 0 ? pairs : 1); p0 += super) {
+    const int64_t p1 = pairs < p0 + super ? pairs : p0 + super;
+    for (int64_t n = n0; n < n1; n += kPanel)
+      for (int64_t k0 = 0; k0 < K; k0 += chunk) pass(n, k0, p0, p1, p1 == pairs);
   }
   if (tail_rows) std::memset(apart, 0, tail_rows * Kpad * sizeof(uint16_t));
 }

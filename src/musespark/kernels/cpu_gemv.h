@@ -447,13 +447,22 @@ class TileRange {
 // process with the settings alternated: streams in these takes 1.19x, in twice as large
 // 1.18x; the larger takes alone (no streams) 0.99x. (A region that mixes them, a bf16 model's
 // fp32 router beside packed panels on the AVX-512 path, keeps the panels' takes.)
+// On the AMX path a region with a job of at least musespark_amx::kSuperRows rows takes at
+// least kSuperTakes panels at a time: the tile kernel keeps a superblock of rows in L2
+// across the panels of one call (cpu_amx.cpp). In one process, alternated run by run: a
+// 2048-token prompt and 8 prompts of 128 tokens 1.03x faster (benchmarks/RESULTS.md,
+// session 24).
 constexpr double kStealCost = 9.0 * 32768;
+constexpr int64_t kSuperTakes = 4;
 inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
   const double per_tile = total_cost(jobs, first) / static_cast<double>(std::max<int64_t>(1, first.back()));
   const bool streams =
       std::all_of(jobs.begin(), jobs.end(), [](const Job& b) { return b.M == 0 || b.row_streams(); });
   const double cost = streams ? kStealCost * kRowStreams : kStealCost;
-  return std::max<int64_t>(1, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
+  const bool superblocks = musespark_isa::amx() && std::any_of(jobs.begin(), jobs.end(), [](const Job& b) {
+    return b.panels && b.M >= musespark_amx::kSuperRows;
+  });
+  return std::max<int64_t>(superblocks ? kSuperTakes : 1, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
 }
 
 inline void run_jobs(const std::vector<Job>& given) {

@@ -115,6 +115,8 @@ void tiles_end();
 
 // musespark_avx512::bf16_panels by AMX tiles (cpu_amx.cpp states the summation order): the
 // same arguments and layouts, other bits. Runs where level() is kAmxBf16 (cpu_gemv.h).
+// With packed panels, rows are taken kSuperRows at a time against every panel of the call.
+constexpr int64_t kSuperRows = 256;
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed = nullptr);
 
