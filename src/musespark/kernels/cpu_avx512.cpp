@@ -148,10 +148,12 @@ namespace {
 // 64-byte load holds one k pair of 16 rows (the layout of cpu_isa.h: a group's 16 pairs of
 // block b are 16 consecutive such loads). A tile of 6 x rows broadcasts each x pair and
 // multiplies it into the 4 blocks: 24 accumulators, no lane sums at the end, the packed
-// panel read from L1/L2 and reused by every tile of x. Each of the 4 block streams fetches
-// its line kPanelAhead pairs ahead into L1 (T0; session 18's NTA prefetch cost decode 5-15 %
-// on Zen 4): on the Xeon measured, batch-1 rows 1.2x faster, 8 rows 1.13x, prompt tiles
-// unchanged (benchmarks/RESULTS.md, session 24; not measured on Zen 4).
+// panel read from L1/L2 and reused by every tile of x. Tiles of several rows fetch each of
+// the 4 block streams kPanelAhead pairs ahead into L1 (T0; session 18's NTA prefetch cost
+// decode 5-15 % on Zen 4); a single row does not (there it made the stream 10 % slower). On
+// the Xeon measured, against session 23's layout without prefetch: 1 row 1.24x, 8 rows
+// 1.06-1.10x, prompt tiles the same (benchmarks/RESULTS.md, session 24; not measured on
+// Zen 4).
 constexpr int kBlocks = kPanelRows / 16;
 constexpr int kPanelMR = 6;
 constexpr int64_t kPanelAhead = 8;
@@ -226,8 +228,9 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
     for (int64_t r = 0; r < gp; ++r, row += 16, ++xq) {
       __m512bh wv[kBlocks];
       for (int b = 0; b < kBlocks; ++b) wv[b] = (__m512bh)_mm512_load_si512(row + b * block);
-      for (int b = 0; b < kBlocks; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(row + b * block + 16 * kPanelAhead), _MM_HINT_T0);
+      if constexpr (MR > 1)
+        for (int b = 0; b < kBlocks; ++b)
+          _mm_prefetch(reinterpret_cast<const char*>(row + b * block + 16 * kPanelAhead), _MM_HINT_T0);
       for (int m = 0; m < MR; ++m) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(xq[m * K2]);
         for (int b = 0; b < kBlocks; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xv);
