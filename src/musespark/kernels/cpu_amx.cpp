@@ -13,9 +13,9 @@
 // * 1 x 4 (`step`, a single or partial block): C_b the block against panel columns
 //   16b..16b+15, A the block's next 32 k, B the panel's next 16 k pairs of 16 columns.
 // A is 16 rows of 32 bf16; B is 16 rows of 16 pair words: one block of a group of the panel
-// layout (cpu_isa.h), 1 KiB of consecutive memory. Why 2 x 2 where it can: a tile load costs about three
-// TDPBF16PS on the Xeon measured (15.5 vs 5 ns), and 2 x 2 loads 4 tiles per 4 products
-// where 1 x 4 loads 5 (benchmarks/RESULTS.md, session 23).
+// layout (cpu_isa.h), 1 KiB of consecutive memory. Why 2 x 2 where it can: a tile load costs
+// about three TDPBF16PS on the Xeon measured (15.5 vs 5 ns), and 2 x 2 loads 4 tiles per 4
+// products where 1 x 4 loads 5 (benchmarks/RESULTS.md, session 23).
 //
 // Invariant (batch invariance): each output element starts from +0 and takes the k pairs in
 // one fixed grouping, 16 pairs (32 k) per TDPBF16PS from k = 0, the last group zero-padded;
