@@ -173,8 +173,9 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
   // not (run_jobs takes several panels at a time for such rows: cpu_gemv.h steal_chunk). The
   // order of the passes changes no sum.
   const int64_t super_pairs = kSuperRows / (2 * kRows);
-  const int64_t super = packed && pairs > super_pairs ? super_pairs : (pairs > 0 ? pairs : 1);
-  for (int64_t p0 = 0; p0 < (pairs > 0 ? pairs : 1); p0 += super) {
+  const int64_t passes_over = pairs > 0 ? pairs : 1;  // decode rows: one pass, no pairs
+  const int64_t super = packed && pairs > super_pairs ? super_pairs : passes_over;
+  for (int64_t p0 = 0; p0 < passes_over; p0 += super) {
     const int64_t p1 = pairs < p0 + super ? pairs : p0 + super;
     for (int64_t n = n0; n < n1; n += kPanel)
       for (int64_t k0 = 0; k0 < K; k0 += chunk) pass(n, k0, p0, p1, p1 == pairs);

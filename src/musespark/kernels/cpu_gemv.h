@@ -460,7 +460,7 @@ inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64
       std::all_of(jobs.begin(), jobs.end(), [](const Job& b) { return b.M == 0 || b.row_streams(); });
   const double cost = streams ? kStealCost * kRowStreams : kStealCost;
   const bool superblocks = musespark_isa::amx() && std::any_of(jobs.begin(), jobs.end(), [](const Job& b) {
-    return b.panels && b.M >= musespark_amx::kSuperRows;
+    return b.packed != nullptr && b.M >= musespark_amx::kSuperRows;  // superblocks need packed panels
   });
   return std::max<int64_t>(superblocks ? kSuperTakes : 1, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
 }
