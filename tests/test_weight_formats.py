@@ -83,11 +83,15 @@ def test_a_new_format_loads_and_multiplies_without_other_changes(checkpoints):
 def test_the_cpu_backend_leaves_unknown_formats_to_the_reference(checkpoints):
     _, quant_path = checkpoints
     model = musespark.load_model(quant_path, dtype="bfloat16", backend="cpu", formats=DownProjInt8())
-    assert not model.backend.fused_blocks
+    assert not model.backend.fused_blocks  # the layers run the reference's code
     ids = list(range(3, 40))
     native = model.prompt_logits(ids)
     model.backend = select_backend("torch", model)
-    assert torch.equal(native, model.prompt_logits(ids))
+    reference = model.prompt_logits(ids)
+    # Only the native norms (embedding and final: kernels/cpu_rows.h sums their squares in 16
+    # lanes, torch in its own order) and the head kernel remain: rounding-level differences.
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+    assert (native - reference).abs().max() <= 5e-3 * reference.abs().max()
 
 
 def test_format_tensors_are_checked_by_name_shape_and_dtype(checkpoints, tmp_path):

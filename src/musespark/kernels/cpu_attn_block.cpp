@@ -129,7 +129,6 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
   else
     gate(o.data_ptr<float>(), g.data_ptr<float>());
   run_jobs({wo.job(x, T, a, H, bf16, 0, prompt)});
-  round_all(a, T * H, bf16);
   return residual(s, a, nullptr, static_cast<float>(post_eps), alpha, beta, bf16);
 }
 

@@ -176,17 +176,21 @@ inline float* pre_norm(const float* s, int64_t T, int64_t H, const float* gain, 
   return h;
 }
 
-// The stream update shared by both halves of a layer: s' = alpha * s + beta * norm(b),
-// norm weightless (gain null) or input-scaled by gain. b [T, H] holds the model's values.
-inline Tensor residual(const Tensor& s, const float* b, const float* gain, float eps, const Tensor& alpha,
+// The stream update shared by both halves of a layer, into a new stream:
+// s' = alpha * s + beta * norm(b), norm weightless (gain null) or input-scaled by gain.
+// b [T, H] is the block's fp32 output, rounded here (in place, row by row while it is in
+// cache) to the model's values.
+inline Tensor residual(const Tensor& s, float* b, const float* gain, float eps, const Tensor& alpha,
                        const Tensor& beta, bool bf16) {
   const int64_t T = s.size(0), H = s.size(1);
-  Tensor out = s.clone();
+  Tensor out = at::empty_like(s);
+  const float* sp = s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float *ap = alpha.data_ptr<float>(), *bp = beta.data_ptr<float>();
   for_rows(T, 2 * H, [&](int64_t t, float* tmp) {
+    round_all(b + t * H, H, bf16);
     rms_row(b + t * H, H, gain, eps, gain != nullptr, 1.f, tmp, tmp + H, !bf16);
-    gated_residual_row(op + t * H, tmp + H, ap, bp, H);
+    gated_residual_row(sp + t * H, tmp + H, ap, bp, H, op + t * H);
   });
   return out;
 }

@@ -16,8 +16,8 @@ using namespace musespark_block;
 
 constexpr float kRouterEps = 1e-15f;  // added to the sum of the chosen scores
 
-// act = bf16(bf16(silu(gate)) * up) over n rows of [gate | up] (2I wide, the model's values;
-// an fp32 model rounds nothing).
+// act = bf16(bf16(silu(gate)) * up) over n rows of [gate | up] (2I wide: the products' fp32
+// outputs, taken as the model's values, bf16(gate) and bf16(up); an fp32 model rounds nothing).
 // silu(g) = g / (1 + exp(-g)) with the fused blocks' exp (cpu_simd.h); I % 8 == 0.
 void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
   using namespace musespark_simd;
@@ -33,7 +33,7 @@ void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
     }
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t i = 0; i < I; i += 8) {
-        const __m256 gate = _mm256_loadu_ps(gu + r * 2 * I + i), up = _mm256_loadu_ps(gu + r * 2 * I + I + i);
+        const __m256 gate = r16(_mm256_loadu_ps(gu + r * 2 * I + i)), up = r16(_mm256_loadu_ps(gu + r * 2 * I + I + i));
         _mm256_storeu_ps(act + r * I + i, r16(_mm256_mul_ps(r16(silu8(gate)), up)));
       }
   });
@@ -67,10 +67,8 @@ Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::Tensor
   const float* f = pre_norm(s.data_ptr<float>(), T, H, pre_gain.data_ptr<float>(), static_cast<float>(eps), bf16);
   float *gu = scratch(kGateUp, T * 2 * I), *act = scratch(kAct, T * I), *b = scratch(kOut, T * H);
   run_jobs({w_gate.job(f, T, gu, 2 * I, bf16, 0, prompt), w_up.job(f, T, gu + I, 2 * I, bf16, 0, prompt)});
-  round_all(gu, T * 2 * I, bf16);
   swiglu(gu, T, I, act, bf16);
   run_jobs({w_down.job(act, T, b, H, bf16, 0, prompt)});
-  round_all(b, T * H, bf16);
   return residual(s, b, post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta, bf16);
 }
 
@@ -236,10 +234,8 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
         float *xs = scratch(kExpertIn, n * Hm), *gu = scratch(kGateUp, n * 2 * I), *act = scratch(kAct, n * I);
         for (int64_t r = 0; r < n; ++r) std::copy_n(u + (order[r0 + r] / top_k) * Hm, Hm, xs + r * Hm);
         musespark_gemv::run_job_here(gate_up.job(xs, n, gu, 2 * I, bf16, x, flags));
-        round_all(gu, n * 2 * I, bf16);
         swiglu(gu, n, I, act, bf16);
         musespark_gemv::run_job_here(down.job(act, n, ys + r0 * Hm, Hm, bf16, x, flags));
-        round_all(ys + r0 * Hm, n * Hm, bf16);
       }
     });
   } else {
@@ -256,10 +252,8 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
       down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x, flags));
     }
     run_jobs(up_jobs);
-    round_all(gu, A * 2 * I, bf16);
     swiglu(gu, A, I, act, bf16);
     run_jobs(down_jobs);
-    round_all(ys, A * Hm, bf16);
   }
   std::vector<int64_t> row_of(A);  // assignment -> its row in ys
   for (int64_t r = 0; r < A; ++r) row_of[order[r]] = r;
@@ -271,7 +265,9 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     float* mr = m + t * Hm;
     for (int64_t j = 0; j < top_k; ++j) {
       const int64_t a = t * top_k + j;
-      rms_row(ys + row_of[a] * Hm, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm, !bf16);
+      float* y = ys + row_of[a] * Hm;
+      round_all(y, Hm, bf16);  // the expert's output in the model's dtype
+      rms_row(y, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm, !bf16);
       for (int64_t i = 0; i < Hm; ++i) {
         const float z = tmp[Hm + i] * weights[a];
         mr[i] = j == 0 ? z : mr[i] + z;
@@ -280,7 +276,6 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     round_all(mr, Hm, bf16);
   });
   run_jobs({w_post.job(m, T, b, H, bf16, 0, prompt)});
-  round_all(b, T * H, bf16);
   return residual(s, b, post_gain.data_ptr<float>(), pe, alpha, beta, bf16);
 }
 

@@ -256,22 +256,29 @@ inline void nvfp4_rows(const Job& b, const Nvfp4Inputs& in, size_t j, int64_t n0
     musespark_nvfp4::rows(xp, b.M, b.K, codes, b.scales, in.tables[j].data(), b.N / b.G, b.ldy, n0, n1, b.y);
 }
 
-// x as bf16 bits (exact: x_bf16 says every value is one), one copy per distinct x.
-inline std::vector<std::vector<uint16_t>> bf16_inputs(const std::vector<Job>& jobs, std::vector<int>& which) {
-  std::vector<std::vector<uint16_t>> out;
+// x as bf16 bits (exact: x_bf16 says every value is one), one copy per distinct x, in the
+// calling thread's buffers (kept across calls and only grown: a prompt's x is megabytes,
+// and fresh ones would be zeroed and faulted in on every call). Valid until its next call.
+inline std::vector<uint16_t*> bf16_inputs(const std::vector<Job>& jobs, std::vector<int>& which) {
+  static thread_local std::vector<std::vector<uint16_t>> buffers;
+  std::vector<uint16_t*> out;
   std::vector<const float*> seen;
+  std::vector<int64_t> sizes;
   which.assign(jobs.size(), -1);
   for (size_t j = 0; j < jobs.size(); ++j) {
     const Job& b = jobs[j];
     if (!b.avx512() || b.M == 0) continue;
     for (size_t i = 0; i < seen.size(); ++i)
-      if (seen[i] == b.x && out[i].size() == static_cast<size_t>(b.M * b.K)) which[j] = static_cast<int>(i);
+      if (seen[i] == b.x && sizes[i] == b.M * b.K) which[j] = static_cast<int>(i);
     if (which[j] >= 0) continue;
-    std::vector<uint16_t> xb(b.M * b.K);
+    if (buffers.size() <= out.size()) buffers.emplace_back();
+    std::vector<uint16_t>& xb = buffers[out.size()];
+    if (static_cast<int64_t>(xb.size()) < b.M * b.K) xb.resize(b.M * b.K);
     musespark_simd::to_bf16_bits(b.x, xb.data(), b.M * b.K);
     which[j] = static_cast<int>(out.size());
     seen.push_back(b.x);
-    out.push_back(std::move(xb));
+    sizes.push_back(b.M * b.K);
+    out.push_back(xb.data());
   }
   return out;
 }
@@ -359,9 +366,9 @@ constexpr int64_t kOnednnMinRows = 64;
 
 // y = bf16(x @ w^T) by at::mm, widened into the fp32 rows of y (the callers round every
 // bf16 product's output to bf16, so one rounding here changes nothing they keep).
-inline void onednn_job(const Job& b, std::vector<uint16_t>& xb) {
+inline void onednn_job(const Job& b, uint16_t* xb) {
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
-  const at::Tensor x = at::from_blob(xb.data(), {b.M, b.K}, bf16);
+  const at::Tensor x = at::from_blob(xb, {b.M, b.K}, bf16);
   const at::Tensor w = at::from_blob(const_cast<void*>(b.w), {b.N, b.K}, bf16);
   const at::Tensor y = at::mm(x, w.t()).to(at::kFloat);
   at::from_blob(b.y, {b.M, b.N}, {b.ldy, 1}, at::TensorOptions().dtype(at::kFloat)).copy_(y);
@@ -468,7 +475,7 @@ inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64
 inline void run_jobs(const std::vector<Job>& given) {
   const std::vector<Job> all = split_prompt_runs(given);
   std::vector<int> which;
-  auto xb = bf16_inputs(all, which);
+  const std::vector<uint16_t*> xb = bf16_inputs(all, which);
   // Prompt-sized bf16 products by oneDNN first (each at::mm uses every thread), when allowed.
   std::vector<Job> jobs = all;
   if (!musespark_isa::batch_invariant())
@@ -505,7 +512,7 @@ inline void run_jobs(const std::vector<Job>& given) {
         else if (b.row_streams())
           stream_rows(b.x, b.M, b.K, static_cast<const float*>(b.w), n0, n1, b.y, b.ldy, b.x_bf16);
         else
-          bf16_rows(b, xb[which[j]].data(), n0, n1);
+          bf16_rows(b, xb[which[j]], n0, n1);
         t = t_end - 1;
         continue;
       }
