@@ -455,6 +455,23 @@ def test_rms_norm_matches_the_formula(in_dtype, out_dtype, input_scaled):
     assert torch.allclose(plain, xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), rtol=1e-6, atol=1e-6)
 
 
+@needs_ops
+def test_prompt_sized_outputs_reuse_freed_blocks_and_never_live_ones():
+    """The ops' outputs of 1 MiB and more come from blocks kept across calls (kernels/cpu_pool.h):
+    one freed is handed to the next output of its size; one alive never is."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 1024, generator=g)  # a 2 MiB fp32 output
+    first = ops.rms_norm(x, None, 1e-6, False, 1.0, torch.float32)
+    kept, where = first.clone(), first.data_ptr()
+    second = ops.rms_norm(x * 2, None, 1e-6, False, 1.0, torch.float32)
+    assert second.data_ptr() != where and torch.equal(first, kept)  # the live one is untouched
+    del first
+    third = ops.rms_norm(x, None, 1e-6, False, 1.0, torch.float32)
+    assert third.data_ptr() == where and torch.equal(third, kept)
+    small = ops.rms_norm(x[:8], None, 1e-6, False, 1.0, torch.float32)  # below 1 MiB: at::empty's
+    assert torch.equal(small, kept[:8])
+
+
 def _random_model(seed: int, **overrides):
     from musespark.config import ModelConfig
     from musespark.model import MuseSparkForCausalLM, init_random_weights

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import heap
 from ..kernels import cpu
 from ..layers.attention import AttentionContext, paged_attention
 from ..layers.moe import SparseMoeBlock
@@ -171,7 +170,6 @@ class CpuBackend(TorchBackend):
         if model.device.type != "cpu":
             raise ValueError(f"backend='cpu' runs models on the CPU; this model is on {model.device}")
         self.ops: Any = ops
-        heap.keep_freed_memory()  # prompt steps reuse their freed activations (musespark/heap.py)
         cfg = model.config
         widths = (cfg.hidden_size, cfg.head_dim, cfg.moe_hidden_size, cfg.moe_intermediate_size,
                   cfg.intermediate_size)

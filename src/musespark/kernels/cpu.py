@@ -34,7 +34,7 @@ from ..cpu_features import cpu_flags, cpu_model, isa
 logger = logging.getLogger(__name__)
 
 _HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h", "cpu_isa.h", "cpu_nvfp4.h",
-                                                    "cpu_ops.h", "cpu_amx_tiles.h", "cpu_simd512.h")]
+                                                    "cpu_ops.h", "cpu_amx_tiles.h", "cpu_simd512.h", "cpu_pool.h")]
 _SOURCES = [Path(__file__).with_name(n)
             for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_attn_block.cpp", "cpu_ffn_block.cpp",
                       "cpu_nvfp4.cpp", "cpu_avx512.cpp", "cpu_amx.cpp", "cpu_amx_attention.cpp",

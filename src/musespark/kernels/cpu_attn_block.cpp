@@ -54,8 +54,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
   run_jobs({wq.job(h, T, proj, W, bf16, 0, prompt), wk.job(h, T, proj + ok, W, bf16, 0, prompt),
             wv.job(h, T, proj + ov, W, bf16, 0, prompt), wg.job(h, T, proj + og, W, bf16, 0, prompt)});
   auto opts = s.options().dtype(bf16 ? at::kBFloat16 : at::kFloat);
-  Tensor q = at::empty({T, nH, D}, opts), k = at::empty({T, nKV, D}, opts), v = at::empty({T, nKV, D}, opts),
-         g = at::empty({T, nH, D}, opts);
+  Tensor q = musespark_pool::empty({T, nH, D}, opts), k = musespark_pool::empty({T, nKV, D}, opts),
+         v = musespark_pool::empty({T, nKV, D}, opts), g = musespark_pool::empty({T, nH, D}, opts);
   const float* cp = rope ? cos->data_ptr<float>() : nullptr;
   const float* sp = rope ? sin->data_ptr<float>() : nullptr;
   const float qs = static_cast<float>(qk_scale);

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_gemv.h"
+#include "cpu_pool.h"
 #include "cpu_rows.h"
 
 #include <vector>
@@ -183,7 +184,7 @@ inline float* pre_norm(const float* s, int64_t T, int64_t H, const float* gain, 
 inline Tensor residual(const Tensor& s, float* b, const float* gain, float eps, const Tensor& alpha,
                        const Tensor& beta, bool bf16) {
   const int64_t T = s.size(0), H = s.size(1);
-  Tensor out = at::empty_like(s);
+  Tensor out = musespark_pool::empty(s.sizes(), s.options());
   const float* sp = s.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float *ap = alpha.data_ptr<float>(), *bp = beta.data_ptr<float>();

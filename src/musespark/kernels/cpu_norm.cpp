@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+#include "cpu_pool.h"
 #include "cpu_rows.h"
 
 #include <vector>
@@ -31,7 +32,7 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, 
   }
   auto xc = x.contiguous();
   const int64_t R = xc.size(0), H = xc.size(1);
-  auto y = at::empty({R, H}, xc.options().dtype(out_dtype));
+  auto y = musespark_pool::empty({R, H}, xc.options().dtype(out_dtype));
   const float* gp = has_gain ? g.data_ptr<float>() : nullptr;
   // fp32 in and out (an fp32 model's final norm): the sum of squares in double (cpu_rows.h).
   const bool wide = xc.scalar_type() == at::kFloat && out_dtype == at::kFloat;

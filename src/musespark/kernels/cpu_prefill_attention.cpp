@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "cpu_isa.h"
+#include "cpu_pool.h"
 
 #include <cstring>
 #include <vector>
@@ -57,7 +58,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "prefill_attention: head_dim must match and be a multiple of 16 up to 128, or 256; nH divisible by nKV");
   TORCH_CHECK(window >= 0 && q_start >= 0 && k_start >= 0, "prefill_attention: negative position or window");
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  auto out = at::empty({n, nH, D}, q.options());
+  auto out = musespark_pool::empty({n, nH, D}, q.options());
   if (n == 0) return out;
   // Keys packed to a multiple of 32 (zeros past m): the AMX kernel reads blocks of 32.
   const int64_t G = nH / nKV, blocks = (m + 31) / 32 * 2, per_head = blocks * 16 * D;
