@@ -36,7 +36,7 @@
 
 #include "cpu_isa.h"
 
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,prfchw")
 
 #include "cpu_amx_tiles.h"
 
@@ -54,6 +54,7 @@ namespace {
 constexpr int64_t kGroupWords = musespark_avx512::kGroupWords;
 constexpr int64_t kGroupBytes = kGroupWords * 4;
 constexpr int64_t kPrefetchAhead = kGroupBytes / 2;
+constexpr int64_t kNextLines = 4;  // prompt rows: lines of the next panel fetched per group (above)
 inline void prefetch_group(uintptr_t address) {
   for (int64_t line = 0; line < kGroupBytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(address + line), _MM_HINT_T0);
@@ -103,10 +104,23 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
       for (int64_t b = 0; b < 4; ++b)
         std::memcpy(btail + b * kBlockWords, panel + groups * kGroupWords + 16 * gp * b, gp * 16 * sizeof(uint32_t));
     }
+    // Prompt rows meet their data cold (an expert's rows, its weights and y fresh from memory):
+    // each 32 x 32 block of y is fetched for writing before its products (its tile stores would
+    // wait for the lines), and the first superblock's pass over a packed panel fetches the next
+    // panel, kNextLines lines per group. In a C++ probe with everything evicted first (one core,
+    // an expert's 256 rows x 1024 x 512): 534-615 -> 765-825 GFLOP/s; warm, and at 2048 rows x
+    // 2560 x 1024, the same within the noise (benchmarks/RESULTS.md, session 25).
+    const char* next = packed && p0 == 0 && n + kPanel < n1 ? reinterpret_cast<const char*>(panel + K / 2 * kPanel)
+                                                            : nullptr;
+    const char* next_end = next != nullptr ? next + K / 2 * kPanel * 4 : nullptr;
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t c0 = 0; c0 < np; c0 += 32) {  // one half panel: columns [c0, c0 + nc)
         const int64_t m0 = 2 * p * kRows, nc = np - c0 < 32 ? np - c0 : 32;
         float* yb = y + m0 * ldy + n + c0;
+        for (int64_t r = 0; r < 2 * kRows; ++r) {
+          __builtin_prefetch(yb + r * ldy, 1, 3);
+          __builtin_prefetch(yb + r * ldy + 16, 1, 3);
+        }
         if (k0 == 0) {
           Tiles::zero_c();
         } else if (nc == 32) {
@@ -117,9 +131,11 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
           Tiles::load_c2(cbuf, 32 * 4);
         }
         const uint16_t* a = x + m0 * K + k0;
-        for (int64_t g = 0; g < groups; ++g)
+        for (int64_t g = 0; g < groups; ++g) {
+          for (int64_t l = 0; l < kNextLines && next < next_end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T0);
           Tiles::step2(a + g * kStepK, a + kRows * K + g * kStepK, K * 2,
                        panel + g * kGroupWords + c0 / 16 * kBlockWords);
+        }
         if (tail) {
           const uint16_t* at = atail + 2 * p * kRows * kStepK;
           Tiles::step2(at, at + kRows * kStepK, kStepK * 2, btail + c0 / 16 * kBlockWords);

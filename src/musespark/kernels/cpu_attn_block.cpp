@@ -64,7 +64,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attn_in(const Tensor& s, const Tensor
     using Out = std::remove_pointer_t<decltype(qp)>;
     for_rows(T, 3 * D, [&](int64_t t, float* tmp) {
       float* row = proj + t * W;
-      round_all(row, W, bf16);  // the projections' outputs are in the model's dtype
+      round_row(row, W, bf16);  // the projections' outputs are in the model's dtype
       float *r = tmp, *scratch = tmp + D, *norm = tmp + 2 * D;
       auto head = [&](const float* x, float scale, Out* out) {
         rms_row(x, D, nullptr, e, false, scale, norm, r, !bf16);
@@ -120,7 +120,7 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
           float* xj = x + base + j;
           _mm256_storeu_ps(xj, _mm256_mul_ps(_mm256_loadu_ps(xj), musespark_simd::sigmoid8(_mm256_loadu_ps(tmp + j))));
         }
-        round_all(x + base, D, bf16);
+        round_row(x + base, D, bf16);
       }
     });
   };

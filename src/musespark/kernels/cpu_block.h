@@ -133,14 +133,12 @@ inline void check_stream(const Tensor& s, const char* op) {
               ": s must be the contiguous float32 stream [T, H], H a multiple of 8");
 }
 
-// Rounds to bf16 what a bf16 model stores; an fp32 model stores fp32 (nothing to do).
-// A prompt's arrays (millions of values) are split between the threads.
-inline void round_all(float* p, int64_t n, bool bf16) {
+// Rounds a row to bf16 where a bf16 model stores it; an fp32 model stores fp32 (nothing to
+// do). On the calling thread: row loops call it (each output is rounded by the row loop that
+// reads it, while the row is in cache; a parallel_for per row would cost more than the row).
+inline void round_row(float* p, int64_t n, bool bf16) {
   if (!bf16) return;
-  at::parallel_for(0, n / 8, musespark_simd::kVectorGrain, [&](int64_t v0, int64_t v1) {
-    for (int64_t v = v0; v < v1; ++v)
-      _mm256_storeu_ps(p + 8 * v, musespark_simd::round_bf16_8(_mm256_loadu_ps(p + 8 * v)));
-  });
+  for (int64_t i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, musespark_simd::round_bf16_8(_mm256_loadu_ps(p + i)));
   for (int64_t i = n / 8 * 8; i < n; ++i) p[i] = round_bf16(p[i]);
 }
 
@@ -172,7 +170,7 @@ inline float* pre_norm(const float* s, int64_t T, int64_t H, const float* gain, 
   float* h = scratch(kNormed, T * H);
   for_rows(T, H, [&](int64_t t, float* tmp) {
     rms_row(s + t * H, H, gain, eps, false, 1.f, tmp, h + t * H, !bf16);
-    round_all(h + t * H, H, bf16);
+    round_row(h + t * H, H, bf16);
   });
   return h;
 }
@@ -189,7 +187,7 @@ inline Tensor residual(const Tensor& s, float* b, const float* gain, float eps, 
   float* op = out.data_ptr<float>();
   const float *ap = alpha.data_ptr<float>(), *bp = beta.data_ptr<float>();
   for_rows(T, 2 * H, [&](int64_t t, float* tmp) {
-    round_all(b + t * H, H, bf16);
+    round_row(b + t * H, H, bf16);
     rms_row(b + t * H, H, gain, eps, gain != nullptr, 1.f, tmp, tmp + H, !bf16);
     gated_residual_row(sp + t * H, tmp + H, ap, bp, H, op + t * H);
   });

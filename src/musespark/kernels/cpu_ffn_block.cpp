@@ -202,9 +202,9 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     route_row(logits + t * E, bias.data_ptr<float>(), E, top_k, static_cast<float>(output_multiplier),
               static_cast<float>(routed_scaling), tmp, ids.data() + t * top_k, weights.data() + t * top_k);
     float* ur = u + t * Hm;
-    round_all(ur, Hm, bf16);
+    round_row(ur, Hm, bf16);
     rms_row(ur, Hm, in_gain, e, false, 1.f, tmp + E, ur, !bf16);
-    round_all(ur, Hm, bf16);
+    round_row(ur, Hm, bf16);
   });
 
   // Group the assignments by expert (counting sort, stable) so each expert's weights are read once.
@@ -266,14 +266,14 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     for (int64_t j = 0; j < top_k; ++j) {
       const int64_t a = t * top_k + j;
       float* y = ys + row_of[a] * Hm;
-      round_all(y, Hm, bf16);  // the expert's output in the model's dtype
+      round_row(y, Hm, bf16);  // the expert's output in the model's dtype
       rms_row(y, Hm, out_gain, pe, true, 1.f, tmp, tmp + Hm, !bf16);
       for (int64_t i = 0; i < Hm; ++i) {
         const float z = tmp[Hm + i] * weights[a];
         mr[i] = j == 0 ? z : mr[i] + z;
       }
     }
-    round_all(mr, Hm, bf16);
+    round_row(mr, Hm, bf16);
   });
   run_jobs({w_post.job(m, T, b, H, bf16, 0, prompt)});
   return residual(s, b, post_gain.data_ptr<float>(), pe, alpha, beta, bf16);

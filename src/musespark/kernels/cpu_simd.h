@@ -76,20 +76,27 @@ inline float bf16_to_float(uint16_t bits) {  // exact: bf16 is the top half of a
 constexpr int64_t kVectorGrain = 1 << 15;
 
 // dst[0:n] = bf16 bits of src[0:n], rounded to nearest even as at::BFloat16(v) (finite v;
-// exact for values that are bf16 already), 8 at a time, large arrays on every thread.
-inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
-  at::parallel_for(0, n / 8, kVectorGrain, [&](int64_t v0, int64_t v1) {
-    for (int64_t i = 8 * v0; i < 8 * v1; i += 8) {
-      const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(_mm256_loadu_ps(src + i))), 16);
-      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
-    }
-  });
+// exact for values that are bf16 already), 8 at a time, on the calling thread.
+inline void bf16_bits_row(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i + 8 <= n; i += 8) {
+    const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(_mm256_loadu_ps(src + i))), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
+  }
   for (int64_t i = n / 8 * 8; i < n; ++i) dst[i] = at::BFloat16(src[i]).x;
 }
-// dst[0:n] = src[0:n] in the model's dtype: bf16 (to_bf16_bits) or fp32 (a copy).
+// The same over a whole array, a prompt's split between the threads.
+inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
+  at::parallel_for(0, n / 8, kVectorGrain, [&](int64_t v0, int64_t v1) {
+    bf16_bits_row(src + 8 * v0, dst + 8 * v0, 8 * (v1 - v0));
+  });
+  bf16_bits_row(src + n / 8 * 8, dst + n / 8 * 8, n % 8);
+}
+// dst[0:n] = src[0:n] in the model's dtype: bf16 (bf16_bits_row) or fp32 (a copy); one row,
+// on the calling thread (row loops call it per head: a parallel_for per call cost more than
+// the row, inside a region too).
 inline void store_row(const float* src, at::BFloat16* dst, int64_t n) {
-  to_bf16_bits(src, reinterpret_cast<uint16_t*>(dst), n);
+  bf16_bits_row(src, reinterpret_cast<uint16_t*>(dst), n);
 }
 inline void store_row(const float* src, float* dst, int64_t n) { std::copy_n(src, n, dst); }
 
