@@ -136,3 +136,22 @@ def test_batch_invariance_benchmark(cache):
     b8 = out["results"]["b8"]
     assert len(b8["invariant_s"]) == len(b8["onednn_s"]) == 2
     assert positive(*b8["invariant_s"], *b8["onednn_s"], b8["cost_ratio_median"])
+
+
+def test_machine_records_what_pytorch_runs_on_and_the_isa_limits():
+    """Every JSON line says which ISA the reference ran on; the variables that cap it (used to run both
+    engines as on an AVX2-only CPU) are recorded and take effect."""
+    code = ("import json, torch; from musespark.bench.common import machine; "
+            "torch.ones(4) @ torch.ones(4); print(json.dumps(machine()))")
+    limits = {"MUSESPARK_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    env = {k: v for k, v in ENV.items() if k not in limits}
+    plain = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      check=True, timeout=60).stdout.splitlines()[-1])
+    assert "isa_limits" not in plain and plain["torch_isa"] and isinstance(plain["torch_onednn_bf16"], bool)
+    if plain["torch_isa"] not in ("AVX2", "AVX512"):
+        pytest.skip(f"PyTorch runs {plain['torch_isa']} here, not an x86 AVX2/AVX-512 level")
+    capped = json.loads(subprocess.run([sys.executable, "-c", code], env=dict(env, **limits), capture_output=True,
+                                       text=True, check=True, timeout=60).stdout.splitlines()[-1])
+    assert capped["isa_limits"] == limits
+    assert capped["torch_isa"] == "AVX2" and capped["torch_onednn_bf16"] is False
