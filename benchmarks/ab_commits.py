@@ -12,13 +12,15 @@ bf16, warms up, then times `LLM.generate` (greedy, ignore_eos, prefix caching of
   mixed64   64 requests at once, seeded lengths 16..512 in and 16..512 out (compare_hf's mix)
 The two trees alternate (old new, new old, old new, ...); each case's figure is output tokens per
 second over the whole generate call, and the ratio new/old is computed pair by pair and
-summarised by the median (> 1: the new tree is faster). Prints one JSON line last.
+summarised by the median (> 1: the new tree is faster). --avx2-only runs both trees as on an
+AVX2-only CPU (every library capped at AVX2, as compare_hf.py's flag). Prints one JSON line last.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -69,7 +71,14 @@ def main() -> None:
     p.add_argument("--preset", default="bench-small")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--cases", default="b1,b8")
+    p.add_argument("--avx2-only", action="store_true", help="both trees as on an AVX2-only CPU (every library "
+                   "capped at AVX2: musespark.cpu_features.AVX2_ONLY_ENV)")
     args = p.parse_args()
+    if args.avx2_only:  # the runs are child processes: they load every library with the caps set
+        sys.path.insert(0, str(NEW_SRC))
+        from musespark.cpu_features import AVX2_ONLY_ENV
+
+        os.environ.update(AVX2_ONLY_ENV)
     cases = {c: CASES[c] for c in args.cases.split(",")}
     pairs = []
     for i in range(args.pairs):

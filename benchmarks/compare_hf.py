@@ -43,6 +43,11 @@ Expected runtime on a 2-core CPU VM (AMD EPYC): --quick ~10-20 s; bench-small wi
 matrix (both dtypes, all four cases, 3 repeats) takes hours there (mixed64 alone is ~20k output
 tokens per engine per run) and is meant for a bigger machine.
 
+--avx2-only runs both engines as on an AVX2-only x86 CPU (`musespark.cpu_features.AVX2_ONLY_ENV`):
+on an AVX-512 or AMX machine, transformers' bf16 matmuls then leave oneDNN for PyTorch's own loops
+and our kernels take their AVX2 path; the JSON line records the caps (`machine.isa_limits`) and
+what PyTorch ran (`torch_isa`, `torch_onednn_bf16`).
+
 Prints a table per case, then ONE JSON line last (figures, machine, versions, commit).
 """
 
@@ -51,6 +56,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import random
 import statistics
 import sys
@@ -58,7 +64,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from musespark.cpu_features import AVX2_ONLY_ENV
+
+# --avx2-only: every library reads its instruction-set cap when it loads, so the script starts
+# again with the caps set, before torch is imported.
+if "--avx2-only" in sys.argv[1:] and any(os.environ.get(k) != v for k, v in AVX2_ONLY_ENV.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY_ENV})
+
+import torch  # noqa: E402
 
 from musespark import LLM, SamplingParams, hugepages
 from musespark.bench.common import print_json
@@ -250,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the engine's share of available memory)")
     p.add_argument("--cache-dir", default=None, help="preset checkpoint cache (default ~/.cache/musespark/bench)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--avx2-only", action="store_true", help="both engines as on an AVX2-only CPU: our kernels, "
+                   "ATen, oneDNN and MKL capped at AVX2 (the caches and memory stay this machine's)")
     args = p.parse_args(argv)
 
     preset = args.preset or ("bench-tiny" if args.quick else "bench-small")

@@ -139,19 +139,32 @@ def test_batch_invariance_benchmark(cache):
 
 
 def test_machine_records_what_pytorch_runs_on_and_the_isa_limits():
-    """Every JSON line says which ISA the reference ran on; the variables that cap it (used to run both
+    """Every JSON line says which ISA the reference ran on; the variables that cap it (to run both
     engines as on an AVX2-only CPU) are recorded and take effect."""
+    from musespark.cpu_features import AVX2_ONLY_ENV
+
     code = ("import json, torch; from musespark.bench.common import machine; "
             "torch.ones(4) @ torch.ones(4); print(json.dumps(machine()))")
-    limits = {"MUSESPARK_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-    env = {k: v for k, v in ENV.items() if k not in limits}
+    env = {k: v for k, v in ENV.items() if k not in AVX2_ONLY_ENV}
     plain = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                       check=True, timeout=60).stdout.splitlines()[-1])
     assert "isa_limits" not in plain and plain["torch_isa"] and isinstance(plain["torch_onednn_bf16"], bool)
     if plain["torch_isa"] not in ("AVX2", "AVX512"):
         pytest.skip(f"PyTorch runs {plain['torch_isa']} here, not an x86 AVX2/AVX-512 level")
-    capped = json.loads(subprocess.run([sys.executable, "-c", code], env=dict(env, **limits), capture_output=True,
-                                       text=True, check=True, timeout=60).stdout.splitlines()[-1])
-    assert capped["isa_limits"] == limits
+    capped = json.loads(subprocess.run([sys.executable, "-c", code], env=dict(env, **AVX2_ONLY_ENV),
+                                       capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()[-1])
+    assert capped["isa_limits"] == AVX2_ONLY_ENV
     assert capped["torch_isa"] == "AVX2" and capped["torch_onednn_bf16"] is False
+
+
+def test_compare_hf_avx2_only_runs_both_engines_capped(cache):
+    from musespark.cpu_features import AVX2_ONLY_ENV, detected_isa
+
+    if detected_isa() == "none":
+        pytest.skip("not an x86 CPU with AVX2: there is no AVX2 path to run")
+    out = run_json(["benchmarks/compare_hf.py", "--quick", "--cases", "b1", "--dtypes", "bfloat16", "--repeats", "1",
+                    "--bandwidth-mb", "64", "--cache-dir", str(cache), "--avx2-only"], cache)
+    machine = out["machine"]
+    assert machine["isa_limits"] == AVX2_ONLY_ENV and machine["kernel_path"] == "avx2"
+    assert machine["torch_isa"] == "AVX2" and machine["torch_onednn_bf16"] is False
+    assert positive(*out["results"][0]["metrics"]["decode_tok_s"]["ratios"])

@@ -52,8 +52,8 @@ def test_linear_is_as_accurate_as_torch(wdtype, M, N, K, kernel_path):
 def test_a_row_never_depends_on_its_batch(wdtype, kernel_path):
     """Every tile shape, the remainder rows, the weight streams of products of up to three
     rows (cpu_gemv.h stream_rows; N = 9 and 70 leave 1 and 2 rows past the streams) and
-    (K = 2048: 60-row chunks on the AVX-512 path) several x chunks give each row the bits
-    it gets alone."""
+    (K = 2048: 60-row chunks on the AVX-512 path, 30-row blocks of x on the fp32 tiles,
+    weight_tiles) several x chunks give each row the bits it gets alone."""
     g = torch.Generator().manual_seed(7)
     for K, N in ((2048, 9), (200, 70)):
         w = torch.randn(N, K, generator=g).to(wdtype)
@@ -69,12 +69,14 @@ def test_products_split_across_threads_give_the_one_thread_bits(wdtype, kernel_p
     """A product's tiles start out split between the threads and the first thread done takes
     chunks from the back of the other's share (cpu_gemv.h TileRange), so which thread runs a
     tile changes from run to run: every run must still give every element the bits one
-    thread gives, with no tile lost or run twice into the wrong place."""
+    thread gives, with no tile lost or run twice into the wrong place. (300 rows on the fp32
+    tiles: two blocks of x, each take running its tiles over both, cpu_gemv.h weight_tiles.)"""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(3001, 264, generator=g).to(wdtype)
     packed = cpu.pack_panels(w) if wdtype == torch.bfloat16 and kernel_path in PANEL_PATHS else None
     cases = [(torch.randn(M, 264, generator=g).to(wdtype), rows) for M, rows in
-             ((1, None), (3, None), (70, torch.ones(70, dtype=torch.bool)), (9, torch.arange(9) % 2 == 0))]
+             ((1, None), (3, None), (70, torch.ones(70, dtype=torch.bool)), (9, torch.arange(9) % 2 == 0),
+              (300, None))]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

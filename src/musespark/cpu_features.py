@@ -10,6 +10,12 @@ from pathlib import Path
 # x86 instruction-set levels the native kernels may target, lowest first.
 ISA_LEVELS = ("none", "avx2", "avx512", "avx512_bf16", "amx_bf16")
 ISA_ENV = "MUSESPARK_ISA"  # run as if the CPU stopped at this level (tests, A/B runs)
+# The environment that makes a process run as on an AVX2-only x86 CPU, every library alike: our
+# kernels, ATen's vector kernels, oneDNN (PyTorch's bf16 matmuls then leave oneDNN for its own
+# loops, as on such a CPU) and MKL. Read when each library loads: set it before torch is imported.
+# Only the instruction sets change; the caches and memory stay this machine's.
+AVX2_ONLY_ENV = {ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 @functools.cache

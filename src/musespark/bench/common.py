@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cpu_features import ISA_ENV, cpu_model
+from ..cpu_features import AVX2_ONLY_ENV, cpu_model
 
 PERCENTILES = (50, 90, 99)
 
@@ -60,10 +60,6 @@ def git_commit() -> str | None:
         return None
 
 
-# Environment variables that cap the instruction set each library uses: ours, ATen's vector kernels, oneDNN, MKL.
-ISA_LIMIT_VARIABLES = (ISA_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count()}
     try:
@@ -74,10 +70,10 @@ def machine() -> dict[str, Any]:
         torch = sys.modules["torch"]
         info["torch_num_threads"] = torch.get_num_threads()
         # What PyTorch (and so transformers) runs on: its vector ISA and whether its bf16 matmuls go through
-        # oneDNN. Both follow the CPU unless limited by the variables below (an AVX2-only CPU, emulated).
+        # oneDNN. Both follow the CPU unless capped by the variables of AVX2_ONLY_ENV, recorded below.
         info["torch_isa"] = torch.backends.cpu.get_cpu_capability()
         info["torch_onednn_bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    limits = {name: os.environ[name] for name in ISA_LIMIT_VARIABLES if name in os.environ}
+    limits = {name: os.environ[name] for name in AVX2_ONLY_ENV if name in os.environ}
     if limits:
         info["isa_limits"] = limits
     from .. import hugepages

@@ -146,8 +146,8 @@ inline void tile_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t 
     tile_of<W, NR, 1, Far>(x + m * K, K, w, ldw, y + m * ldy, ldy, ldn, ahead, x_bf16);
 }
 
-// Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x (more than
-// kStreamMaxRows: fewer take stream_rows), each weight tile prefetching the next.
+// Weight rows [n0, n0 + kNR) (fewer at the end) against all M rows of x, each weight tile
+// prefetching the next.
 template <typename W>
 inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, float* y,
                         int64_t ldy, bool x_bf16) {
@@ -157,6 +157,24 @@ inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_
   } else {
     for (int64_t r = n0; r < N; ++r) tile_rows<W, 1, false>(x, M, K, w + r * K, K, y + r, ldy, 1, ahead, x_bf16);
   }
+}
+
+// Weight rows [n0, n1) (whole tiles but the last) against all M rows of x (more than
+// kStreamMaxRows: fewer take stream_rows), x taken in blocks of about kXBlockBytes: each
+// block stays in L2 while every weight tile of the range passes over it. Why: a tile reads
+// each x row once for 2 * kNR flops per fp32 value, so streaming all of a prompt's x from L3
+// (or memory) once per tile bounded the products by that traffic (AVX2 path on the AMX Xeon,
+// 2048 rows: ~120 GFLOP/s against ~170 with x in L2; benchmarks/RESULTS.md, session 26).
+// Each element is its tile's sum whatever the block (one FMA chain over K, then hsum), so
+// only the order in which outputs are written changes.
+constexpr int64_t kXBlockBytes = 256 * 1024;
+template <typename W>
+inline void weight_tiles(const float* x, int64_t M, int64_t K, const W* w, int64_t N, int64_t n0, int64_t n1,
+                         float* y, int64_t ldy, bool x_bf16) {
+  const int64_t block = std::max<int64_t>(3, kXBlockBytes / (4 * K) / 3 * 3);  // whole 3-row tiles
+  for (int64_t m0 = 0; m0 < M; m0 += block)
+    for (int64_t n = n0; n < n1; n += kNR)
+      weight_tile(x + m0 * K, std::min(block, M - m0), K, w, N, n, y + m0 * ldy, ldy, x_bf16);
 }
 
 // Weight rows [n0, n1) against a few rows of x, the weight read as kRowStreams sequential
@@ -212,6 +230,8 @@ struct Job {
   // At most kStreamMaxRows rows of x on the fp32 tiles (bf16 weights on the AVX2 path, fp32
   // weights on every path): stream_rows.
   bool row_streams() const { return M >= 1 && M <= kStreamMaxRows && !nvfp4() && !avx512(); }
+  // More rows on the fp32 tiles: weight_tiles, x in blocks.
+  bool row_blocks() const { return M > kStreamMaxRows && !nvfp4() && !avx512(); }
 };
 
 // What the NVFP4 jobs of one run_jobs call share: x permuted to the decode order (one copy
@@ -459,8 +479,12 @@ class TileRange {
 // across the panels of one call (cpu_amx.cpp). In one process, alternated run by run: a
 // 2048-token prompt and 8 prompts of 128 tokens 1.03x faster (benchmarks/RESULTS.md,
 // session 24).
+// A region with a job whose x is more than one of weight_tiles' blocks takes at least
+// kBlockTiles tiles at a time (64 weight rows), so that each block of x read into L2 serves
+// that many tiles.
 constexpr double kStealCost = 9.0 * 32768;
 constexpr int64_t kSuperTakes = 4;
+constexpr int64_t kBlockTiles = 16;
 inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64_t>& first) {
   const double per_tile = total_cost(jobs, first) / static_cast<double>(std::max<int64_t>(1, first.back()));
   const bool streams =
@@ -469,7 +493,11 @@ inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64
   const bool superblocks = musespark_isa::amx() && std::any_of(jobs.begin(), jobs.end(), [](const Job& b) {
     return b.packed != nullptr && b.M >= musespark_amx::kSuperRows;  // superblocks need packed panels
   });
-  return std::max<int64_t>(superblocks ? kSuperTakes : 1, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
+  const bool blocks = std::any_of(jobs.begin(), jobs.end(), [](const Job& b) {
+    return b.row_blocks() && b.M * b.K * 4 > kXBlockBytes;
+  });
+  const int64_t least = blocks ? kBlockTiles : superblocks ? kSuperTakes : 1;
+  return std::max<int64_t>(least, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
 }
 
 inline void run_jobs(const std::vector<Job>& given) {
@@ -502,24 +530,24 @@ inline void run_jobs(const std::vector<Job>& given) {
       while (t >= first[j + 1]) ++j;
       const Job& b = jobs[j];
       const int64_t n0 = (t - first[j]) * b.tile_rows();
-      if (which[j] >= 0 || b.nvfp4() || b.row_streams()) {  // this job's tiles in [t, t1) in one call
-        const int64_t t_end = std::min(t1, first[j + 1]);
-        const int64_t n1 = std::min(b.N, (t_end - first[j]) * b.tile_rows());
-        if (b.nvfp4())
-          nvfp4_rows(b, q, j, n0, n1);
-        else if (b.row_streams() && b.w_bf16)
-          stream_rows(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), n0, n1, b.y, b.ldy, b.x_bf16);
-        else if (b.row_streams())
-          stream_rows(b.x, b.M, b.K, static_cast<const float*>(b.w), n0, n1, b.y, b.ldy, b.x_bf16);
-        else
-          bf16_rows(b, xb[which[j]], n0, n1);
-        t = t_end - 1;
-        continue;
-      }
-      if (b.w_bf16)
-        weight_tile(b.x, b.M, b.K, static_cast<const at::BFloat16*>(b.w), b.N, n0, b.y, b.ldy, b.x_bf16);
+      // This job's tiles in [t, t1), in one call.
+      const int64_t t_end = std::min(t1, first[j + 1]);
+      const int64_t n1 = std::min(b.N, (t_end - first[j]) * b.tile_rows());
+      const auto* w16 = static_cast<const at::BFloat16*>(b.w);
+      const auto* w32 = static_cast<const float*>(b.w);
+      if (b.nvfp4())
+        nvfp4_rows(b, q, j, n0, n1);
+      else if (which[j] >= 0)
+        bf16_rows(b, xb[which[j]], n0, n1);
+      else if (b.row_streams() && b.w_bf16)
+        stream_rows(b.x, b.M, b.K, w16, n0, n1, b.y, b.ldy, b.x_bf16);
+      else if (b.row_streams())
+        stream_rows(b.x, b.M, b.K, w32, n0, n1, b.y, b.ldy, b.x_bf16);
+      else if (b.w_bf16)
+        weight_tiles(b.x, b.M, b.K, w16, b.N, n0, n1, b.y, b.ldy, b.x_bf16);
       else
-        weight_tile(b.x, b.M, b.K, static_cast<const float*>(b.w), b.N, n0, b.y, b.ldy, b.x_bf16);
+        weight_tiles(b.x, b.M, b.K, w32, b.N, n0, n1, b.y, b.ldy, b.x_bf16);
+      t = t_end - 1;
     }
   };
   bool panels = false;
