@@ -229,9 +229,10 @@ struct Job {
   bool avx512() const { return !nvfp4() && w_bf16 && x_bf16 && musespark_isa::avx512_bf16(); }
   // At most kStreamMaxRows rows of x on the fp32 tiles (bf16 weights on the AVX2 path, fp32
   // weights on every path): stream_rows.
-  bool row_streams() const { return M >= 1 && M <= kStreamMaxRows && !nvfp4() && !avx512(); }
+  bool fp32_tiles() const { return !nvfp4() && !avx512(); }
+  bool row_streams() const { return M >= 1 && M <= kStreamMaxRows && fp32_tiles(); }
   // More rows on the fp32 tiles: weight_tiles, x in blocks.
-  bool row_blocks() const { return M > kStreamMaxRows && !nvfp4() && !avx512(); }
+  bool row_blocks() const { return M > kStreamMaxRows && fp32_tiles(); }
 };
 
 // What the NVFP4 jobs of one run_jobs call share: x permuted to the decode order (one copy
@@ -479,9 +480,10 @@ class TileRange {
 // across the panels of one call (cpu_amx.cpp). In one process, alternated run by run: a
 // 2048-token prompt and 8 prompts of 128 tokens 1.03x faster (benchmarks/RESULTS.md,
 // session 24).
-// A region with a job whose x is more than one of weight_tiles' blocks takes at least
-// kBlockTiles tiles at a time (64 weight rows), so that each block of x read into L2 serves
-// that many tiles.
+// A region whose products all run on the fp32 tiles, one of them weight_tiles with x larger
+// than a block, takes at least kBlockTiles tiles at a time (64 weight rows), so that each
+// block of x read into L2 serves that many tiles. (A region that mixes them, a bf16 model's fp32 router beside
+// packed panels, keeps the panels' takes: the router's x then streams once per tile, as before.)
 constexpr double kStealCost = 9.0 * 32768;
 constexpr int64_t kSuperTakes = 4;
 constexpr int64_t kBlockTiles = 16;
@@ -493,9 +495,10 @@ inline int64_t steal_chunk(const std::vector<Job>& jobs, const std::vector<int64
   const bool superblocks = musespark_isa::amx() && std::any_of(jobs.begin(), jobs.end(), [](const Job& b) {
     return b.packed != nullptr && b.M >= musespark_amx::kSuperRows;  // superblocks need packed panels
   });
-  const bool blocks = std::any_of(jobs.begin(), jobs.end(), [](const Job& b) {
-    return b.row_blocks() && b.M * b.K * 4 > kXBlockBytes;
-  });
+  const bool blocks =
+      std::all_of(jobs.begin(), jobs.end(), [](const Job& b) { return b.M == 0 || b.fp32_tiles(); }) &&
+      std::any_of(jobs.begin(), jobs.end(),
+                  [](const Job& b) { return b.row_blocks() && 4 * b.M * b.K > kXBlockBytes; });
   const int64_t least = blocks ? kBlockTiles : superblocks ? kSuperTakes : 1;
   return std::max<int64_t>(least, static_cast<int64_t>(cost / std::max(per_tile, 1.0)));
 }
