@@ -164,7 +164,8 @@ inline void weight_tile(const float* x, int64_t M, int64_t K, const W* w, int64_
 // block stays in L2 while every weight tile of the range passes over it. Why: a tile reads
 // each x row once for 2 * kNR flops per fp32 value, so streaming all of a prompt's x from L3
 // (or memory) once per tile bounded the products by that traffic (AVX2 path on the AMX Xeon,
-// 2048 rows: ~120 GFLOP/s against ~170 with x in L2; benchmarks/RESULTS.md, session 26).
+// 2048 rows: ~120 GFLOP/s, ~160 in blocks, ~172 for the tile on warm data alone;
+// benchmarks/RESULTS.md, session 26).
 // Each element is its tile's sum whatever the block (one FMA chain over K, then hsum), so
 // only the order in which outputs are written changes.
 constexpr int64_t kXBlockBytes = 256 * 1024;
@@ -482,8 +483,9 @@ class TileRange {
 // session 24).
 // A region whose products all run on the fp32 tiles, one of them weight_tiles with x larger
 // than a block, takes at least kBlockTiles tiles at a time (64 weight rows), so that each
-// block of x read into L2 serves that many tiles. (A region that mixes them, a bf16 model's fp32 router beside
-// packed panels, keeps the panels' takes: the router's x then streams once per tile, as before.)
+// block of x read into L2 serves that many tiles. (A region that mixes them, a bf16 model's
+// fp32 router beside packed panels, keeps the panels' takes: the router's x then streams once
+// per tile, as before.)
 constexpr double kStealCost = 9.0 * 32768;
 constexpr int64_t kSuperTakes = 4;
 constexpr int64_t kBlockTiles = 16;
