@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
 # The main job: stream a completion from the bundled model.

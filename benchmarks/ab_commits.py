@@ -30,7 +30,7 @@ NEW_SRC = Path(__file__).resolve().parents[1] / "src"
 # requests, prompt tokens, new tokens: a number, or a seeded (lo, hi) range per request
 CASES = {"b1": (1, 128, 128), "b8": (8, 128, 128), "p2048": (1, 2048, 1), "mixed64": (64, (16, 512), (16, 512))}
 
-CHILD = r'''
+CHILD = r"""
 import json, random, sys, time
 sys.path.insert(0, sys.argv[1])
 import os
@@ -55,12 +55,13 @@ for name, (n, inp, new) in json.loads(sys.argv[3]).items():
     seconds = time.perf_counter() - start
     out[name] = sum(len(r.outputs[0].token_ids) for r in results) / seconds
 print(json.dumps(out))
-'''
+"""
 
 
 def run(src: str, preset: str, cases: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, src, preset, json.dumps(cases)],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, src, preset, json.dumps(cases)], capture_output=True, text=True, check=True
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -71,8 +72,11 @@ def main() -> None:
     p.add_argument("--preset", default="bench-small")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--cases", default="b1,b8")
-    p.add_argument("--avx2-only", action="store_true", help="both trees as on an AVX2-only CPU (every library "
-                   "capped at AVX2: musespark.cpu_features.AVX2_ONLY_ENV)")
+    p.add_argument(
+        "--avx2-only",
+        action="store_true",
+        help="both trees as on an AVX2-only CPU (every library capped at AVX2: musespark.cpu_features.AVX2_ONLY_ENV)",
+    )
     args = p.parse_args()
     if args.avx2_only:  # the runs are child processes: they load every library with the caps set
         sys.path.insert(0, str(NEW_SRC))
@@ -87,16 +91,25 @@ def main() -> None:
         else:
             new, old = run(args.new, args.preset, cases), run(args.old, args.preset, cases)
         pairs.append({"old": old, "new": new})
-        print(f"pair {i}: " + "  ".join(f"{c} old {old[c]:.1f} new {new[c]:.1f} tok/s ({new[c] / old[c]:.3f}x)"
-                                        for c in cases), flush=True)
-    summary = {c: {"median_ratio_new_over_old": statistics.median(q["new"][c] / q["old"][c] for q in pairs),
-                   "old_tok_s": [q["old"][c] for q in pairs], "new_tok_s": [q["new"][c] for q in pairs]}
-               for c in cases}
+        print(
+            f"pair {i}: "
+            + "  ".join(f"{c} old {old[c]:.1f} new {new[c]:.1f} tok/s ({new[c] / old[c]:.3f}x)" for c in cases),
+            flush=True,
+        )
+    summary = {
+        c: {
+            "median_ratio_new_over_old": statistics.median(q["new"][c] / q["old"][c] for q in pairs),
+            "old_tok_s": [q["old"][c] for q in pairs],
+            "new_tok_s": [q["new"][c] for q in pairs],
+        }
+        for c in cases
+    }
     sys.path.insert(0, args.new)
     from musespark.bench.common import print_json
 
-    print_json({"benchmark": "ab_commits", "preset": args.preset, "dtype": "bfloat16", "old_src": args.old,
-                "cases": summary})
+    print_json(
+        {"benchmark": "ab_commits", "preset": args.preset, "dtype": "bfloat16", "old_src": args.old, "cases": summary}
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     ops = native_ops()
     if ops is None:
         raise SystemExit("batch_invariance.py: the native CPU kernels are unavailable here")
-    llm = LLM(model=str(make_checkpoint(args.preset, "bfloat16")), dtype="bfloat16", enable_prefix_caching=False,
-              max_model_len=4096, seed=args.seed)
+    llm = LLM(
+        model=str(make_checkpoint(args.preset, "bfloat16")),
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        max_model_len=4096,
+        seed=args.seed,
+    )
     vocab = preset_config(args.preset).vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -53,8 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for case in args.cases.split(","):
             n, length = CASES[case]
-            prompts = [{"prompt_token_ids": torch.randint(3, vocab, (length,), generator=gen).tolist()}
-                       for _ in range(n)]
+            prompts = [
+                {"prompt_token_ids": torch.randint(3, vocab, (length,), generator=gen).tolist()} for _ in range(n)
+            ]
             times: dict[bool, list[float]] = {True: [], False: []}
             llm.generate(prompts, params, use_tqdm=False)  # warm-up
             for _ in range(args.rounds):
@@ -64,16 +70,26 @@ def main(argv: list[str] | None = None) -> None:
                     llm.generate(prompts, params, use_tqdm=False)
                     times[invariant].append(time.perf_counter() - t0)
             ratios = [a / b for a, b in zip(times[True], times[False])]
-            results[case] = {"invariant_s": [round(t, 4) for t in times[True]],
-                             "onednn_s": [round(t, 4) for t in times[False]],
-                             "cost_ratio_median": round(statistics.median(ratios), 3)}
-            print(f"{case:<10} invariant {statistics.median(times[True]):.3f} s  oneDNN "
-                  f"{statistics.median(times[False]):.3f} s  cost x{statistics.median(ratios):.3f}")
+            results[case] = {
+                "invariant_s": [round(t, 4) for t in times[True]],
+                "onednn_s": [round(t, 4) for t in times[False]],
+                "cost_ratio_median": round(statistics.median(ratios), 3),
+            }
+            print(
+                f"{case:<10} invariant {statistics.median(times[True]):.3f} s  oneDNN "
+                f"{statistics.median(times[False]):.3f} s  cost x{statistics.median(ratios):.3f}"
+            )
     finally:
         ops.set_batch_invariant(before)
-    print_json({"benchmark": "batch_invariance", "preset": args.preset, "rounds": args.rounds,
-                "ratio_definition": "time with invariance / time with oneDNN for >= 64-row products, per round, median",
-                "results": results})
+    print_json(
+        {
+            "benchmark": "batch_invariance",
+            "preset": args.preset,
+            "rounds": args.rounds,
+            "ratio_definition": "time with invariance / time with oneDNN for >= 64-row products, per round, median",
+            "results": results,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,14 @@ import torch  # noqa: E402
 
 from musespark import LLM, SamplingParams, hugepages
 from musespark.bench.common import print_json
-from musespark.bench.presets import PRESETS, active_weight_bytes, count_params, dtype_name, make_checkpoint, \
-    preset_config
+from musespark.bench.presets import (
+    PRESETS,
+    active_weight_bytes,
+    count_params,
+    dtype_name,
+    make_checkpoint,
+    preset_config,
+)
 
 
 @dataclass(frozen=True)
@@ -133,17 +139,26 @@ def measure_bandwidth(mb: int, tries: int = 5, huge: bool = False) -> float:
 
 # -- the two engines -------------------------------------------------------------------
 
+
 class Musespark:
     name = "musespark"
 
     def __init__(self, path: Any, dtype: str, max_len: int, kv_bytes: int | None, max_seqs: int) -> None:
-        self.llm = LLM(model=path, dtype=dtype, max_model_len=max_len, max_num_seqs=max_seqs,
-                       kv_cache_memory=kv_bytes, enable_prefix_caching=False, seed=0)
+        self.llm = LLM(
+            model=path,
+            dtype=dtype,
+            max_model_len=max_len,
+            max_num_seqs=max_seqs,
+            kv_cache_memory=kv_bytes,
+            enable_prefix_caching=False,
+            seed=0,
+        )
 
     def run(self, work: list[tuple[list[int], int]], cap: int | None = None) -> tuple[float, list[list[int]]]:
         prompts = [{"prompt_token_ids": ids} for ids, _ in work]
-        params = [SamplingParams(temperature=0.0, max_tokens=min(n, cap) if cap else n, ignore_eos=True)
-                  for _, n in work]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=min(n, cap) if cap else n, ignore_eos=True) for _, n in work
+        ]
         t = time.perf_counter()
         outs = self.llm.generate(prompts, params)
         elapsed = time.perf_counter() - t
@@ -167,10 +182,17 @@ class Transformers:
         input_ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, ids in enumerate(batch):  # left padding
-            input_ids[i, width - len(ids):] = torch.tensor(ids)
-            mask[i, width - len(ids):] = 1
-        out = self.model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                                  min_new_tokens=n, use_cache=True, pad_token_id=PAD_ID)
+            input_ids[i, width - len(ids) :] = torch.tensor(ids)
+            mask[i, width - len(ids) :] = 1
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            use_cache=True,
+            pad_token_id=PAD_ID,
+        )
         new = out[:, width:]
         if new.shape[1] != n:
             raise RuntimeError(f"transformers generated {new.shape[1]} tokens, asked for {n}")
@@ -181,16 +203,17 @@ class Transformers:
         order = sorted(range(len(work)), key=lambda i: (work[i][1], len(work[i][0])))
         t = time.perf_counter()
         for start in range(0, len(order), HF_BATCH):
-            idx = order[start:start + HF_BATCH]
+            idx = order[start : start + HF_BATCH]
             n = max(work[i][1] for i in idx)
             n = min(n, cap) if cap else n
             new = self._generate([work[i][0] for i in idx], n)
             for row, i in enumerate(idx):
-                outs[i] = new[row, :min(work[i][1], n)].tolist()
+                outs[i] = new[row, : min(work[i][1], n)].tolist()
         return time.perf_counter() - t, outs
 
 
 # -- measuring ----------------------------------------------------------------------------
+
 
 def _median(values: list[float]) -> float:
     finite = [v for v in values if math.isfinite(v)]
@@ -202,8 +225,9 @@ def _series(a: list[float], b: list[float], higher_is_better: bool) -> dict[str,
     return {"musespark": a, "transformers": b, "ratios": ratios, "median_ratio": _median(ratios)}
 
 
-def run_case(case: Case, engines: list[Any], work: list[tuple[list[int], int]], repeats: int,
-             probe: Any = None) -> dict[str, Any]:
+def run_case(
+    case: Case, engines: list[Any], work: list[tuple[list[int], int]], repeats: int, probe: Any = None
+) -> dict[str, Any]:
     """A B A B: each repeat runs every engine once (per measurement) in turn. `probe` (bytes/s),
     if given, is called right after each engine's timed runs: `probes[engine]` in the result."""
     figures: dict[str, dict[str, list[float]]] = {e.name: {} for e in engines}
@@ -241,8 +265,13 @@ def run_case(case: Case, engines: list[Any], work: list[tuple[list[int], int]], 
         while k < min(len(x), len(y)) and x[k] == y[k]:
             k += 1
         agree.append(k)
-    out = {"metrics": metrics, "greedy_prefix_agreement": {"mean_tokens": statistics.mean(agree),
-                                                           "of_tokens": statistics.mean(n for _, n in work)}}
+    out = {
+        "metrics": metrics,
+        "greedy_prefix_agreement": {
+            "mean_tokens": statistics.mean(agree),
+            "of_tokens": statistics.mean(n for _, n in work),
+        },
+    }
     if probe is not None:
         out["probes"] = probes
     return out
@@ -250,21 +279,37 @@ def run_case(case: Case, engines: list[Any], work: list[tuple[list[int], int]], 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="model preset (default: bench-small; bench-tiny with --quick)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="model preset (default: bench-small; bench-tiny with --quick)",
+    )
     p.add_argument("--dtypes", default=None, help="comma-separated (default: bfloat16,float32; bfloat16 with --quick)")
     p.add_argument("--cases", default=",".join(FULL), help=f"comma-separated subset of {','.join(FULL)}")
     p.add_argument("--repeats", type=int, default=None, help="A B pairs per case (default 3; 2 with --quick)")
     p.add_argument("--quick", action="store_true", help="small sizes (see the module doc), for smoke tests")
-    p.add_argument("--bandwidth-mb", type=int, default=None, help="MiB read by the bandwidth probe "
-                   "(default 1024; 512 with --quick)")
+    p.add_argument(
+        "--bandwidth-mb",
+        type=int,
+        default=None,
+        help="MiB read by the bandwidth probe (default 1024; 512 with --quick)",
+    )
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="musespark's KV cache in bytes "
-                   "(default: the engine's share of available memory)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="musespark's KV cache in bytes (default: the engine's share of available memory)",
+    )
     p.add_argument("--cache-dir", default=None, help="preset checkpoint cache (default ~/.cache/musespark/bench)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--avx2-only", action="store_true", help="both engines as on an AVX2-only CPU: our kernels, "
-                   "ATen, oneDNN and MKL capped at AVX2 (the caches and memory stay this machine's)")
+    p.add_argument(
+        "--avx2-only",
+        action="store_true",
+        help="both engines as on an AVX2-only CPU: our kernels, "
+        "ATen, oneDNN and MKL capped at AVX2 (the caches and memory stay this machine's)",
+    )
     args = p.parse_args(argv)
 
     preset = args.preset or ("bench-tiny" if args.quick else "bench-small")
@@ -300,16 +345,30 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             work = workload(case, cfg.vocab_size, args.seed)
             probe_mb = args.bandwidth_mb or (512 if args.quick else 1024)
-            res = run_case(case, [ms, hf], work, repeats,
-                           probe=(lambda: (measure_bandwidth(probe_mb), measure_bandwidth(probe_mb, huge=True)))
-                           if case.batch == 1 else None)
+            res = run_case(
+                case,
+                [ms, hf],
+                work,
+                repeats,
+                probe=(lambda: (measure_bandwidth(probe_mb), measure_bandwidth(probe_mb, huge=True)))
+                if case.batch == 1
+                else None,
+            )
             both = res.pop("probes", None) or {}
             probes = {name: [p[0] for p in got] for name, got in both.items()}
             huge_probes = {name: [p[1] for p in got] for name, got in both.items()}
-            entry = {"case": case.name, "dtype": dtype, "kind": case.kind, "requests": case.batch,
-                     "input_len": list(case.input_len), "output_len": list(case.output_len),
-                     "prompt_tokens": sum(len(i) for i, _ in work), "output_tokens": sum(n for _, n in work),
-                     **res, "wall_s": time.perf_counter() - t}
+            entry = {
+                "case": case.name,
+                "dtype": dtype,
+                "kind": case.kind,
+                "requests": case.batch,
+                "input_len": list(case.input_len),
+                "output_len": list(case.output_len),
+                "prompt_tokens": sum(len(i) for i, _ in work),
+                "output_tokens": sum(n for _, n in work),
+                **res,
+                "wall_s": time.perf_counter() - t,
+            }
             if case.batch == 1:
                 dec = res["metrics"]["decode_tok_s"]
                 active = active_weight_bytes(cfg, dtype)
@@ -317,38 +376,56 @@ def main(argv: list[str] | None = None) -> int:
                 def pct(name: str, against: dict[str, list[float]]) -> float:  # each run against its own probe
                     return _median([100 * r * active / bw for r, bw in zip(dec[name], against[name])])
 
-                entry["roofline"] = {"tok_s": roofline, "musespark_pct": pct("musespark", probes),
-                                     "transformers_pct": pct("transformers", probes),
-                                     "adjacent_probes_bytes_per_s": probes,
-                                     "musespark_pct_vs_hugepage_probes": pct("musespark", huge_probes),
-                                     "adjacent_hugepage_probes_bytes_per_s": huge_probes}
+                entry["roofline"] = {
+                    "tok_s": roofline,
+                    "musespark_pct": pct("musespark", probes),
+                    "transformers_pct": pct("transformers", probes),
+                    "adjacent_probes_bytes_per_s": probes,
+                    "musespark_pct_vs_hugepage_probes": pct("musespark", huge_probes),
+                    "adjacent_hugepage_probes_bytes_per_s": huge_probes,
+                }
             results.append(entry)
             head = "decode_tok_s" if case.kind == "decode" else "output_tok_s"
             summary[f"{dtype}/{case.name}/{head}"] = res["metrics"][head]["median_ratio"]
             print(f"[{dtype} {case.name}] {entry['wall_s']:.1f} s", flush=True)
             for k, s in res["metrics"].items():
                 pairs = " ".join(f"{r:.2f}" for r in s["ratios"])
-                print(f"  {k:13s} musespark {_median(s['musespark']):10.3f}  transformers "
-                      f"{_median(s['transformers']):10.3f}  ratio median {s['median_ratio']:.2f} "
-                      f"(pairs {pairs})", flush=True)
+                print(
+                    f"  {k:13s} musespark {_median(s['musespark']):10.3f}  transformers "
+                    f"{_median(s['transformers']):10.3f}  ratio median {s['median_ratio']:.2f} "
+                    f"(pairs {pairs})",
+                    flush=True,
+                )
             if "roofline" in entry:
                 r = entry["roofline"]
                 gbs = " ".join(f"{bw / 1e9:.1f}" for bw in r["adjacent_probes_bytes_per_s"]["musespark"])
-                print(f"  roofline {r['tok_s']:.1f} tok/s at the first probe; each run against its own probe "
-                      f"(musespark's: {gbs} GB/s): musespark {r['musespark_pct']:.1f} %, "
-                      f"transformers {r['transformers_pct']:.1f} %; musespark against huge-page probes "
-                      f"{r['musespark_pct_vs_hugepage_probes']:.1f} %", flush=True)
+                print(
+                    f"  roofline {r['tok_s']:.1f} tok/s at the first probe; each run against its own probe "
+                    f"(musespark's: {gbs} GB/s): musespark {r['musespark_pct']:.1f} %, "
+                    f"transformers {r['transformers_pct']:.1f} %; musespark against huge-page probes "
+                    f"{r['musespark_pct_vs_hugepage_probes']:.1f} %",
+                    flush=True,
+                )
         del ms, hf
         gc.collect()
-    print_json({
-        "benchmark": "compare_hf", "preset": preset, "quick": args.quick, "repeats": repeats, "seed": args.seed,
-        "params": counts.as_dict(), "bandwidth_bytes_per_s": bandwidth,
-        "active_weight_bytes": {d: active_weight_bytes(cfg, d) for d in dtypes},
-        "transformers_experts_implementation": experts_impl, "hf_batch_for_mixed": HF_BATCH,
-        "ratio_definition": "musespark / transformers for tok/s, transformers / musespark for times; "
-                            "per A/B pair, median over pairs",
-        "summary_median_ratios": summary, "results": results,
-    })
+    print_json(
+        {
+            "benchmark": "compare_hf",
+            "preset": preset,
+            "quick": args.quick,
+            "repeats": repeats,
+            "seed": args.seed,
+            "params": counts.as_dict(),
+            "bandwidth_bytes_per_s": bandwidth,
+            "active_weight_bytes": {d: active_weight_bytes(cfg, d) for d in dtypes},
+            "transformers_experts_implementation": experts_impl,
+            "hf_batch_for_mixed": HF_BATCH,
+            "ratio_definition": "musespark / transformers for tok/s, transformers / musespark for times; "
+            "per A/B pair, median over pairs",
+            "summary_median_ratios": summary,
+            "results": results,
+        }
+    )
     return 0
 
 

@@ -47,18 +47,25 @@ class PagedTarget:
         blocks = (max_len + block_size - 1) // block_size
         shape = (blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.target, self.block_size = target, block_size
-        self.kv = [(torch.zeros(shape, dtype=target.dtype), torch.zeros(shape, dtype=target.dtype))
-                   for _ in range(cfg.num_hidden_layers)]
+        self.kv = [
+            (torch.zeros(shape, dtype=target.dtype), torch.zeros(shape, dtype=target.dtype))
+            for _ in range(cfg.num_hidden_layers)
+        ]
         self.table = torch.arange(blocks)[None]
 
-    def forward(self, ids: list[int], start: int, layers: tuple[int, ...], row_wise: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids: list[int], start: int, layers: tuple[int, ...], row_wise: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ids at positions [start, start+n) -> (argmax ids [n], aux [n, F])."""
         n = len(ids)
         pos = torch.arange(start, start + n)
-        ctx = AttentionContext(query_start_loc=[0, n], seq_lens=[start + n], kv_caches=self.kv,
-                               groups=[KVGroup(slot_mapping=pos.clone(), block_tables=self.table)],
-                               layer_group=[0] * self.target.config.num_hidden_layers)
+        ctx = AttentionContext(
+            query_start_loc=[0, n],
+            seq_lens=[start + n],
+            kv_caches=self.kv,
+            groups=[KVGroup(slot_mapping=pos.clone(), block_tables=self.table)],
+            layer_group=[0] * self.target.config.num_hidden_layers,
+        )
         if row_wise and hasattr(ctx, "row_wise"):
             ctx.row_wise = [0]
         y, aux = target_forward_with_aux(self.target, torch.tensor(ids), pos, ctx, layers)
@@ -77,8 +84,7 @@ def plain(target, prompt: list[int], new: int) -> list[int]:
 
 
 @torch.inference_mode()
-def speculative(target, proposer: DSparkProposer, prompt: list[int], new: int, n: int
-                ) -> tuple[list[int], list[int]]:
+def speculative(target, proposer: DSparkProposer, prompt: list[int], new: int, n: int) -> tuple[list[int], list[int]]:
     t = PagedTarget(target, len(prompt) + new + 2 * n + 16)
     pred, aux = t.forward(prompt, 0, proposer.aux_layers)
     seq = prompt + [int(pred[-1])]
@@ -92,14 +98,15 @@ def speculative(target, proposer: DSparkProposer, prompt: list[int], new: int, n
             k += 1
         accepted.append(k)
         seq += drafts[:k] + [int(pred[k])]
-        start, rows = p0, aux[:k + 1]
+        start, rows = p0, aux[: k + 1]
     proposer.drop("b")
-    return seq[len(prompt):len(prompt) + new], accepted
+    return seq[len(prompt) : len(prompt) + new], accepted
 
 
 def code_prompts(count: int, seed: int) -> list[list[int]]:
     import tiny_corpus as tc
     from train_dspark import make_prompts
+
     return make_prompts(tc.load_corpus().val, count, seed)
 
 
@@ -138,18 +145,36 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
-    print(json.dumps({
-        "benchmark": "dspark_model_level", "target": Path(args.target).name, "draft": Path(args.draft).name,
-        "num_speculative_tokens": n, "prompts": len(prompts), "new_tokens": args.new_tokens, "batch": 1,
-        "plain_tok_s": round(tokens / t_plain, 2), "dspark_tok_s": round(tokens / t_spec, 2),
-        "speedup": round(t_plain / t_spec, 3), "identical_outputs": f"{same}/{len(prompts)}",
-        "steps": len(accepted), "mean_accepted": round(float(acc_t.mean()), 3),
-        "tokens_per_step": round(float(acc_t.mean()) + 1, 3),
-        "accept_rate_by_position": [round(float((acc_t > k).float().mean()), 3) for k in range(n)],
-        "machine": {"platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
-                    "python": platform.python_version(), "torch": torch.__version__, "threads": args.threads},
-        "commit": commit, "seed": args.seed,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "dspark_model_level",
+                "target": Path(args.target).name,
+                "draft": Path(args.draft).name,
+                "num_speculative_tokens": n,
+                "prompts": len(prompts),
+                "new_tokens": args.new_tokens,
+                "batch": 1,
+                "plain_tok_s": round(tokens / t_plain, 2),
+                "dspark_tok_s": round(tokens / t_spec, 2),
+                "speedup": round(t_plain / t_spec, 3),
+                "identical_outputs": f"{same}/{len(prompts)}",
+                "steps": len(accepted),
+                "mean_accepted": round(float(acc_t.mean()), 3),
+                "tokens_per_step": round(float(acc_t.mean()) + 1, 3),
+                "accept_rate_by_position": [round(float((acc_t > k).float().mean()), 3) for k in range(n)],
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpu_count": __import__("os").cpu_count(),
+                    "python": platform.python_version(),
+                    "torch": torch.__version__,
+                    "threads": args.threads,
+                },
+                "commit": commit,
+                "seed": args.seed,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

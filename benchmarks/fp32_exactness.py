@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import contextmanager
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,12 +34,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from oracle import CONFIGS, build_oracle, oracle_logits, relative_error, save_oracle  # noqa: E402
+
 import musespark  # noqa: E402
 import musespark.layers.linear as linear_module  # noqa: E402
 from musespark.backends import cpu_backend, select_backend  # noqa: E402
 from musespark.bench.common import print_json  # noqa: E402
 from musespark.kernels import cpu  # noqa: E402
-from oracle import CONFIGS, build_oracle, oracle_logits, relative_error, save_oracle  # noqa: E402
 
 MKL = linear_module.linear
 
@@ -65,8 +66,11 @@ def fused_fp32_everywhere():
 def use_linear(fn) -> None:
     """Route every musespark linear layer (modules and the router) through `fn`."""
     for module in list(sys.modules.values()):
-        if module is not None and module.__name__.startswith("musespark") and getattr(module, "linear", None) \
-                in (MKL, fp64_accumulated):
+        if (
+            module is not None
+            and module.__name__.startswith("musespark")
+            and getattr(module, "linear", None) in (MKL, fp64_accumulated)
+        ):
             module.linear = fn
 
 
@@ -98,20 +102,36 @@ def main() -> None:
                     with fused_fp32_everywhere():
                         logits[way] = ours.prompt_logits(ids)
                 use_linear(MKL)
-                row = {"config": name, "seed": seed,
-                       "vs_mkl": {w: relative_error(logits[w], logits["mkl"]) for w in ways if w != "mkl"},
-                       "vs_float64": {**{w: relative_error(v, truth) for w, v in logits.items()},
-                                      "transformers_fp32": relative_error(oracle_logits(ref32, ids), truth)}}
+                row = {
+                    "config": name,
+                    "seed": seed,
+                    "vs_mkl": {w: relative_error(logits[w], logits["mkl"]) for w in ways if w != "mkl"},
+                    "vs_float64": {
+                        **{w: relative_error(v, truth) for w, v in logits.items()},
+                        "transformers_fp32": relative_error(oracle_logits(ref32, ids), truth),
+                    },
+                }
                 rows.append(row)
-                print(f"{name:20s} seed {seed}  vs mkl: "
-                      + " ".join(f"{w} {e:.1e}" for w, e in row["vs_mkl"].items()) + " | vs float64: "
-                      + " ".join(f"{w} {e:.1e}" for w, e in row["vs_float64"].items()), flush=True)
+                print(
+                    f"{name:20s} seed {seed}  vs mkl: "
+                    + " ".join(f"{w} {e:.1e}" for w, e in row["vs_mkl"].items())
+                    + " | vs float64: "
+                    + " ".join(f"{w} {e:.1e}" for w, e in row["vs_float64"].items()),
+                    flush=True,
+                )
     worst = {w: max(r["vs_float64"][w] for r in rows) for w in rows[0]["vs_float64"]}
     print("largest error vs float64 over every draw: " + " ".join(f"{w} {e:.2e}" for w, e in worst.items()))
     if "cpu" in worst:
         print(f"rule (cpu no further from float64 than mkl): {'holds' if worst['cpu'] <= worst['mkl'] else 'FAILS'}")
-    print_json({"benchmark": "fp32_exactness", "prompt_len": args.prompt_len, "results": rows,
-                "largest_vs_float64": worst, "kernel_path": cpu.kernel_path()})
+    print_json(
+        {
+            "benchmark": "fp32_exactness",
+            "prompt_len": args.prompt_len,
+            "results": rows,
+            "largest_vs_float64": worst,
+            "kernel_path": cpu.kernel_path(),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -52,27 +52,84 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 FP32_TOL, BF16_TOL, MODEL_FP32_TOL = 1e-5, 8e-3, 1e-4
 
-REAL = dict(T=2048, H=4096, nH=32, nKV=8, D=128, E=64, k=8, Hm=2048, Im=1024, T_moe=512, block=16, window=1024,
-            prefix=1536, chunk=512, decode_ctx=(4096, 3000, 2048, 1025, 1024, 777, 100, 1))
-TOY = dict(T=40, H=48, nH=4, nKV=2, D=16, E=6, k=2, Hm=24, Im=32, T_moe=12, block=4, window=8,
-           prefix=20, chunk=9, decode_ctx=(33, 20, 9, 1))
+REAL = dict(
+    T=2048,
+    H=4096,
+    nH=32,
+    nKV=8,
+    D=128,
+    E=64,
+    k=8,
+    Hm=2048,
+    Im=1024,
+    T_moe=512,
+    block=16,
+    window=1024,
+    prefix=1536,
+    chunk=512,
+    decode_ctx=(4096, 3000, 2048, 1025, 1024, 777, 100, 1),
+)
+TOY = dict(
+    T=40,
+    H=48,
+    nH=4,
+    nKV=2,
+    D=16,
+    E=6,
+    k=2,
+    Hm=24,
+    Im=32,
+    T_moe=12,
+    block=4,
+    window=8,
+    prefix=20,
+    chunk=9,
+    decode_ctx=(33, 20, 9, 1),
+)
 
 
 def model_fields(layers: int, toy: bool) -> dict[str, Any]:
     if toy:
-        return dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=layers,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_hidden_size=24,
-                    moe_intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
-                    mlp_layer_types=("dense",) + ("sparse",) * (layers - 1), bos_token_id=1, eos_token_id=2)
-    return dict(vocab_size=32768, hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, moe_hidden_size=2048,
-                moe_intermediate_size=1024, num_local_experts=64, num_experts_per_tok=8, sliding_window=1024,
-                mlp_layer_types=("dense",) + ("sparse",) * (layers - 1), bos_token_id=1, eos_token_id=2)
+        return dict(
+            vocab_size=128,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            moe_hidden_size=24,
+            moe_intermediate_size=32,
+            num_local_experts=6,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            mlp_layer_types=("dense",) + ("sparse",) * (layers - 1),
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    return dict(
+        vocab_size=32768,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        moe_hidden_size=2048,
+        moe_intermediate_size=1024,
+        num_local_experts=64,
+        num_experts_per_tok=8,
+        sliding_window=1024,
+        mlp_layer_types=("dense",) + ("sparse",) * (layers - 1),
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,18 +139,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=64, help="timed batch-1 decode steps (default 64)")
     p.add_argument("--parity-len", type=int, default=256, help="prompt length of the logit parity (default 256)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per figure, median reported (default 3)")
-    p.add_argument("--workdir", type=Path, default=None, help="where the random checkpoint is written "
-                   "(default: a temporary directory, removed afterwards)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where the random checkpoint is written (default: a temporary directory, removed afterwards)",
+    )
     p.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     p.add_argument("--skip-kernels", action="store_true", help="skip section 1")
     p.add_argument("--skip-model", action="store_true", help="skip sections 2-4")
-    p.add_argument("--dry-run-cpu", action="store_true", help="toy sizes on CPU under TRITON_INTERPRET=1 "
-                   "(exercises this script without a GPU; its figures mean nothing)")
+    p.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="toy sizes on CPU under TRITON_INTERPRET=1 "
+        "(exercises this script without a GPU; its figures mean nothing)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 # -- helpers --------------------------------------------------------------------------------
+
 
 def rel(ours, ref) -> float:
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
@@ -153,6 +219,7 @@ def bench_ms(fn: Callable[[], Any], device) -> float:
 
 # -- 1. kernels -----------------------------------------------------------------------------
 
+
 def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
     import torch
 
@@ -181,8 +248,10 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
         (s1, h1), (s2, h2) = norm_residual.norm_residual(*args), norm_residual.reference_norm_residual(*args)
         run.check(res, f"norm_residual.stream.{tag}", rel(s1, s2), FP32_TOL)
         run.check(res, f"norm_residual.next_norm.{tag}", rel(h1, h2), tol)
-        times[f"norm_residual.{tag}"] = [bench_ms(lambda: norm_residual.norm_residual(*args), dev),
-                                         bench_ms(lambda: norm_residual.reference_norm_residual(*args), dev)]
+        times[f"norm_residual.{tag}"] = [
+            bench_ms(lambda: norm_residual.norm_residual(*args), dev),
+            bench_ms(lambda: norm_residual.reference_norm_residual(*args), dev),
+        ]
         # 2. QK-norm + RoPE + paged KV write
         x, v = randn(T, nKV, D, scale=4, dtype=dt), randn(T, nKV, D, dtype=dt)
         pos = torch.arange(T, device=dev) + 5
@@ -196,29 +265,44 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
         run.check(res, f"qk_norm_rope.k_cache.{tag}", rel(caches[0], caches[2]), tol)
         run.check(res, f"qk_norm_rope.v_cache.{tag}", rel(caches[1], caches[3]), 0.0)
         xq = randn(T, nH, D, scale=4, dtype=dt)
-        times[f"qk_norm_rope.q.{tag}"] = [bench_ms(lambda: qk_norm_rope.qk_norm_rope(xq, 1e-5, 5.47, rot, dt), dev),
-                                          bench_ms(lambda: qk_norm_rope.reference_qk_norm_rope(xq, 1e-5, 5.47, rot, dt),
-                                                   dev)]
+        times[f"qk_norm_rope.q.{tag}"] = [
+            bench_ms(lambda: qk_norm_rope.qk_norm_rope(xq, 1e-5, 5.47, rot, dt), dev),
+            bench_ms(lambda: qk_norm_rope.reference_qk_norm_rope(xq, 1e-5, 5.47, rot, dt), dev),
+        ]
         # 3. O-norm x sigmoid gate
         o, gate = randn(T, nH, D, scale=3, dtype=dt), randn(T, nH, D, scale=2, dtype=dt)
-        run.check(res, f"o_norm_gate.{tag}", rel(o_norm_gate.o_norm_gate(o, gate, 1e-5),
-                                                 o_norm_gate.reference_o_norm_gate(o, gate, 1e-5)), tol)
-        times[f"o_norm_gate.{tag}"] = [bench_ms(lambda: o_norm_gate.o_norm_gate(o, gate, 1e-5), dev),
-                                       bench_ms(lambda: o_norm_gate.reference_o_norm_gate(o, gate, 1e-5), dev)]
+        run.check(
+            res,
+            f"o_norm_gate.{tag}",
+            rel(o_norm_gate.o_norm_gate(o, gate, 1e-5), o_norm_gate.reference_o_norm_gate(o, gate, 1e-5)),
+            tol,
+        )
+        times[f"o_norm_gate.{tag}"] = [
+            bench_ms(lambda: o_norm_gate.o_norm_gate(o, gate, 1e-5), dev),
+            bench_ms(lambda: o_norm_gate.reference_o_norm_gate(o, gate, 1e-5), dev),
+        ]
         # 4. routing
         E, k = s["E"], s["k"]
         f = randn(T, H, dtype=dt)
         wr, bias = randn(E, H, scale=2 / H**0.5), randn(E, scale=0.1)
-        (w1, i1), (w2, i2) = (fn(f, wr, bias, k, 0.1767766952966369, 1.0)
-                              for fn in (routing.route_topk, routing.reference_route))
+        (w1, i1), (w2, i2) = (
+            fn(f, wr, bias, k, 0.1767766952966369, 1.0) for fn in (routing.route_topk, routing.reference_route)
+        )
         same = (i1 == i2).all(dim=1)
         frac = float(same.float().mean())
-        run.check(res, f"routing.weights.{tag}", rel(w1[same], w2[same]) if bool(same.any()) else math.inf, FP32_TOL,
-                  same_experts=frac)
+        run.check(
+            res,
+            f"routing.weights.{tag}",
+            rel(w1[same], w2[same]) if bool(same.any()) else math.inf,
+            FP32_TOL,
+            same_experts=frac,
+        )
         res[f"routing.same_experts.{tag}"] = {"fraction": frac, "ok": frac >= 0.999}
         run.out["ok"] &= frac >= 0.999
-        times[f"routing.{tag}"] = [bench_ms(lambda: routing.route_topk(f, wr, bias, k, 0.17, 1.0), dev),
-                                   bench_ms(lambda: routing.reference_route(f, wr, bias, k, 0.17, 1.0), dev)]
+        times[f"routing.{tag}"] = [
+            bench_ms(lambda: routing.route_topk(f, wr, bias, k, 0.17, 1.0), dev),
+            bench_ms(lambda: routing.reference_route(f, wr, bias, k, 0.17, 1.0), dev),
+        ]
         # 5. experts
         Tm, Hm, Im = s["T_moe"], s["Hm"], s["Im"]
         u = randn(Tm, Hm, scale=2, dtype=dt)
@@ -226,14 +310,26 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
         ids = torch.argsort(torch.rand(Tm, E, generator=g, device=dev), dim=1)[:, :k]
         wts = torch.rand(Tm, k, generator=g, device=dev)
         pgn = 1 + randn(Hm, scale=0.2)
-        run.check(res, f"experts.{tag}", rel(experts.moe_experts(u, wts, ids, gu, dn, pgn, 1e-8),
-                                             experts.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8)), tol)
-        times[f"experts.{tag}"] = [bench_ms(lambda: experts.moe_experts(u, wts, ids, gu, dn, pgn, 1e-8), dev),
-                                   bench_ms(lambda: experts.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8), dev)]
+        run.check(
+            res,
+            f"experts.{tag}",
+            rel(
+                experts.moe_experts(u, wts, ids, gu, dn, pgn, 1e-8),
+                experts.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8),
+            ),
+            tol,
+        )
+        times[f"experts.{tag}"] = [
+            bench_ms(lambda: experts.moe_experts(u, wts, ids, gu, dn, pgn, 1e-8), dev),
+            bench_ms(lambda: experts.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8), dev),
+        ]
         # 6. attention: prompt, chunk after a prefix, decode rows; full and windowed
         bs = s["block"]
-        cases = {"prompt": ([0], [T]), "chunk": ([s["prefix"]], [s["chunk"]]),
-                 "decode": ([n - 1 for n in s["decode_ctx"]], [1] * len(s["decode_ctx"]))}
+        cases = {
+            "prompt": ([0], [T]),
+            "chunk": ([s["prefix"]], [s["chunk"]]),
+            "decode": ([n - 1 for n in s["decode_ctx"]], [1] * len(s["decode_ctx"])),
+        }
         for name, (done, new) in cases.items():
             B = len(done)
             lens = [d + n for d, n in zip(done, new)]
@@ -250,9 +346,16 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
             q, kk, vv = randn(Tq, nH, D, dtype=dt), randn(Tq, nKV, D, dtype=dt), randn(Tq, nKV, D, dtype=dt)
             kc, vc = randn(nb, bs, nKV, D, dtype=dt), randn(nb, bs, nKV, D, dtype=dt)
             for window in (None, s["window"]):
+
                 def ctx():
-                    return AttentionContext(query_start_loc=qsl, seq_lens=lens, kv_caches=[(kc.clone(), vc.clone())],
-                                            groups=[KVGroup(slot_mapping=slots, block_tables=tables)], layer_group=[0])
+                    return AttentionContext(
+                        query_start_loc=qsl,
+                        seq_lens=lens,
+                        kv_caches=[(kc.clone(), vc.clone())],
+                        groups=[KVGroup(slot_mapping=slots, block_tables=tables)],
+                        layer_group=[0],
+                    )
+
                 scale = D**-0.5
                 c1, c2 = ctx(), ctx()
                 ours = attention.paged_attention(q, kk, vv, posn, c1, 0, scale, window)
@@ -260,22 +363,30 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
                 key = f"attention.{name}.{'w' + str(window) if window else 'full'}.{tag}"
                 run.check(res, key, rel(ours, ref), tol)
                 c3 = ctx()
-                times[key] = [bench_ms(lambda: attention.paged_attention(q, kk, vv, posn, c3, 0, scale, window), dev),
-                              bench_ms(lambda: attention.reference_paged_attention(q, kk, vv, posn, c3, 0, scale,
-                                                                                   window), dev)]
+                times[key] = [
+                    bench_ms(lambda: attention.paged_attention(q, kk, vv, posn, c3, 0, scale, window), dev),
+                    bench_ms(lambda: attention.reference_paged_attention(q, kk, vv, posn, c3, 0, scale, window), dev),
+                ]
                 if name == "chunk":  # the chunk's last row, alone as a decode row: bitwise equal
-                    alone = AttentionContext(query_start_loc=[0, 1], seq_lens=lens, kv_caches=c1.kv_caches,
-                                             groups=[KVGroup(slot_mapping=slots[-1:], block_tables=tables)],
-                                             layer_group=[0])
+                    alone = AttentionContext(
+                        query_start_loc=[0, 1],
+                        seq_lens=lens,
+                        kv_caches=c1.kv_caches,
+                        groups=[KVGroup(slot_mapping=slots[-1:], block_tables=tables)],
+                        layer_group=[0],
+                    )
                     row = attention.paged_attention(q[-1:], kk[-1:], vv[-1:], posn[-1:], alone, 0, scale, window)
-                    res[key + ".decode_row_bitwise"] = {"ok": bool(torch.equal(row[0], ours[-1])),
-                                                        "rel_err": rel(row[0], ours[-1])}
+                    res[key + ".decode_row_bitwise"] = {
+                        "ok": bool(torch.equal(row[0], ours[-1])),
+                        "rel_err": rel(row[0], ours[-1]),
+                    }
                     print(f"   {key}.decode_row_bitwise: {res[key + '.decode_row_bitwise']}", flush=True)
     run.out["kernel_times_ms"] = {k: {"triton": v[0], "reference": v[1]} for k, v in times.items()}
     return res
 
 
 # -- 2. the model ---------------------------------------------------------------------------
+
 
 def randomize_on_device(model, seed: int) -> None:
     """`model.init_random_weights`' scales, drawn on the model's device (fast for billions)."""
@@ -332,15 +443,24 @@ def paged_generate(model, prompt, n_decode: int, block_size: int = 16):
     cfg, dev = model.config, model.device
     P = prompt.shape[0]
     nb = (P + n_decode) // block_size + 2
-    kv = [tuple(torch.zeros(nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype, device=dev)
-                for _ in range(2)) for _ in range(cfg.num_hidden_layers)]
+    kv = [
+        tuple(
+            torch.zeros(nb, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype, device=dev)
+            for _ in range(2)
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
     table = torch.arange(nb, device=dev)[None, :]  # identity: slot = position
 
     def step(ids, start: int):
         pos = torch.arange(start, start + ids.shape[0], device=dev)
-        ctx = AttentionContext(query_start_loc=[0, ids.shape[0]], seq_lens=[start + ids.shape[0]], kv_caches=kv,
-                               groups=[KVGroup(slot_mapping=pos, block_tables=table)],
-                               layer_group=[0] * cfg.num_hidden_layers)
+        ctx = AttentionContext(
+            query_start_loc=[0, ids.shape[0]],
+            seq_lens=[start + ids.shape[0]],
+            kv_caches=kv,
+            groups=[KVGroup(slot_mapping=pos, block_tables=table)],
+            layer_group=[0] * cfg.num_hidden_layers,
+        )
         hidden = model(ids, pos, ctx)
         return model.compute_logits(hidden[-1:]).argmax(-1)  # [1], stays on the device
 
@@ -386,8 +506,13 @@ def model_section(run: Run, args: argparse.Namespace, toy: bool) -> None:
         ref = m.prompt_logits(parity_ids)
         m.backend = select_backend("triton", m)
         ours = m.prompt_logits(parity_ids)
-        run.check(parity, "fp32.triton_vs_torch", rel(ours, ref), MODEL_FP32_TOL,
-                  argmax_agree=float((ours.argmax(-1) == ref.argmax(-1)).float().mean()))
+        run.check(
+            parity,
+            "fp32.triton_vs_torch",
+            rel(ours, ref),
+            MODEL_FP32_TOL,
+            argmax_agree=float((ours.argmax(-1) == ref.argmax(-1)).float().mean()),
+        )
         del m
         torch.cuda.empty_cache() if dev.type == "cuda" else None
         return ref.cpu()
@@ -400,13 +525,22 @@ def model_section(run: Run, args: argparse.Namespace, toy: bool) -> None:
         ref = m.prompt_logits(parity_ids).cpu()
         m.backend = select_backend("triton", m)
         ours = m.prompt_logits(parity_ids).cpu()
-        entry = {"triton_vs_torch": rel(ours, ref), "triton_vs_torch_mean": mean_rel(ours, ref),
-                 "argmax_agree": float((ours.argmax(-1) == ref.argmax(-1)).float().mean())}
+        entry = {
+            "triton_vs_torch": rel(ours, ref),
+            "triton_vs_torch_mean": mean_rel(ours, ref),
+            "argmax_agree": float((ours.argmax(-1) == ref.argmax(-1)).float().mean()),
+        }
         if exact is not None:
-            entry.update(triton_vs_fp32=rel(ours, exact), torch_vs_fp32=rel(ref, exact),
-                         triton_vs_fp32_mean=mean_rel(ours, exact), torch_vs_fp32_mean=mean_rel(ref, exact))
-            entry["ok"] = bool(entry["triton_vs_fp32"] <= 1.5 * entry["torch_vs_fp32"] + 1e-3
-                               and entry["triton_vs_fp32_mean"] <= 1.25 * entry["torch_vs_fp32_mean"] + 1e-3)
+            entry.update(
+                triton_vs_fp32=rel(ours, exact),
+                torch_vs_fp32=rel(ref, exact),
+                triton_vs_fp32_mean=mean_rel(ours, exact),
+                torch_vs_fp32_mean=mean_rel(ref, exact),
+            )
+            entry["ok"] = bool(
+                entry["triton_vs_fp32"] <= 1.5 * entry["torch_vs_fp32"] + 1e-3
+                and entry["triton_vs_fp32_mean"] <= 1.25 * entry["torch_vs_fp32_mean"] + 1e-3
+            )
             run.out["ok"] &= entry["ok"]
         parity["bf16"] = entry
         print(f"   bf16: {entry}", flush=True)
@@ -430,8 +564,12 @@ def model_section(run: Run, args: argparse.Namespace, toy: bool) -> None:
             p, d, toks = paged_generate(model, prompt, args.decode_steps)
             pre.append(p)
             dec.append(d)
-        timing[backend] = {"prefill_s": statistics.median(pre), "prefill_tok_s": args.prefill / statistics.median(pre),
-                           "decode_tok_s": args.decode_steps / statistics.median(dec), "tokens": toks[:8]}
+        timing[backend] = {
+            "prefill_s": statistics.median(pre),
+            "prefill_tok_s": args.prefill / statistics.median(pre),
+            "decode_tok_s": args.decode_steps / statistics.median(dec),
+            "tokens": toks[:8],
+        }
         print(f"   {backend}: {timing[backend]}", flush=True)
 
     run.section("time musespark (triton backend)", lambda: time_ours("triton"))
@@ -443,8 +581,9 @@ def model_section(run: Run, args: argparse.Namespace, toy: bool) -> None:
         torch.cuda.empty_cache()
 
     if not args.skip_hf:
-        run.section("time transformers", lambda: time_hf(run, args, ckpt, prompt.cpu(), parity_ids, state["ref"],
-                                                          timing))
+        run.section(
+            "time transformers", lambda: time_hf(run, args, ckpt, prompt.cpu(), parity_ids, state["ref"], timing)
+        )
 
     def roofline():
         bw = copy_bandwidth(dev, toy)
@@ -454,9 +593,15 @@ def model_section(run: Run, args: argparse.Namespace, toy: bool) -> None:
         total_bytes = (counts.total - counts.embedding) * 2
         flops = prefill_flops(cfg, args.prefill)
         prefill_roof_s = max(total_bytes / bw, flops / flops_s)
-        roof = {"copy_bandwidth_bytes_per_s": bw, "bf16_gemm_flop_per_s": flops_s, "active_weight_bytes": active,
-                "decode_tok_s": decode_roof, "prefill_s": prefill_roof_s, "prefill_flops": flops}
-        for name, t in timing.items():
+        roof = {
+            "copy_bandwidth_bytes_per_s": bw,
+            "bf16_gemm_flop_per_s": flops_s,
+            "active_weight_bytes": active,
+            "decode_tok_s": decode_roof,
+            "prefill_s": prefill_roof_s,
+            "prefill_flops": flops,
+        }
+        for t in timing.values():
             if isinstance(t, dict) and "decode_tok_s" in t:
                 t["decode_pct_of_roofline"] = 100 * t["decode_tok_s"] / decode_roof
                 t["prefill_pct_of_roofline"] = 100 * prefill_roof_s / t["prefill_s"]
@@ -481,16 +626,25 @@ def time_hf(run: Run, args: argparse.Namespace, ckpt: Path, prompt, parity_ids, 
     with torch.inference_mode():
         hf_logits = hf(input_ids=torch.tensor([parity_ids], device=dev)).logits[0].float().cpu()
     run.out["model_parity"]["bf16_torch_vs_transformers"] = {
-        "rel": rel(ours_ref, hf_logits), "mean_rel": mean_rel(ours_ref, hf_logits),
-        "argmax_agree": float((ours_ref.argmax(-1) == hf_logits.argmax(-1)).float().mean())}
+        "rel": rel(ours_ref, hf_logits),
+        "mean_rel": mean_rel(ours_ref, hf_logits),
+        "argmax_agree": float((ours_ref.argmax(-1) == hf_logits.argmax(-1)).float().mean()),
+    }
     ids = prompt[None, :].to(dev)
 
     def gen(n: int) -> float:
         sync(dev)
         t = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                              min_new_tokens=n, use_cache=True, pad_token_id=0)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                use_cache=True,
+                pad_token_id=0,
+            )
         sync(dev)
         assert out.shape[1] == ids.shape[1] + n
         return time.perf_counter() - t
@@ -499,10 +653,13 @@ def time_hf(run: Run, args: argparse.Namespace, ckpt: Path, prompt, parity_ids, 
     pre = [gen(1) for _ in range(args.repeats)]
     full = [gen(args.decode_steps + 1) for _ in range(args.repeats)]
     p = statistics.median(pre)
-    timing["transformers"] = {"version": transformers.__version__, "prefill_s": p, "prefill_tok_s": args.prefill / p,
-                              "decode_tok_s": args.decode_steps / max(1e-9, statistics.median(full) - p),
-                              "experts_implementation": getattr(hf.config.get_text_config(),
-                                                                "_experts_implementation", None)}
+    timing["transformers"] = {
+        "version": transformers.__version__,
+        "prefill_s": p,
+        "prefill_tok_s": args.prefill / p,
+        "decode_tok_s": args.decode_steps / max(1e-9, statistics.median(full) - p),
+        "experts_implementation": getattr(hf.config.get_text_config(), "_experts_implementation", None),
+    }
     print(f"   transformers: {timing['transformers']}", flush=True)
     hf = None  # free it (gen above is done)
     if dev.type == "cuda":
@@ -513,7 +670,7 @@ def copy_bandwidth(dev, toy: bool) -> float:
     """Device copy bandwidth, bytes/s (read + write), best of 10 copies."""
     import torch
 
-    n = (1 << 20 if toy else 1 << 29)  # fp32 elements: 4 MiB / 2 GiB
+    n = 1 << 20 if toy else 1 << 29  # fp32 elements: 4 MiB / 2 GiB
     x = torch.ones(n, dtype=torch.float32, device=dev)
     y = torch.empty_like(x)
     y.copy_(x)
@@ -561,6 +718,7 @@ def prefill_flops(cfg, T: int) -> float:
 
 # -- main -----------------------------------------------------------------------------------
 
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run_cpu:
@@ -575,8 +733,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cpu" if args.dry_run_cpu else "cuda")
     run = Run(dev)
-    env: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)"}
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
+    }
     try:
         import triton
 
@@ -594,8 +755,9 @@ def main(argv: list[str] | None = None) -> int:
     run.out["env"] = env
     if env["triton"] is not None:
         if not args.skip_kernels:
-            run.out["kernels"] = run.section("kernel parity", lambda: kernel_checks(run, TOY if args.dry_run_cpu
-                                                                                    else REAL, args.seed))
+            run.out["kernels"] = run.section(
+                "kernel parity", lambda: kernel_checks(run, TOY if args.dry_run_cpu else REAL, args.seed)
+            )
         if not args.skip_model:
             run.section("model", lambda: model_section(run, args, args.dry_run_cpu))
             if args.workdir is None and run.out.get("model"):

@@ -44,7 +44,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """(resident bytes of every parameter and buffer, bytes one decode token reads)."""
     cfg = model.config
     resident = active = 0
-    for name, module in model.named_modules():
+    for _name, module in model.named_modules():
         own = [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t is not None]
         nbytes = sum(t.numel() * t.element_size() for t in own)
         resident += nbytes
@@ -59,7 +59,7 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def memory_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
     """Read bandwidth in bytes/s: the best of `reps` sums over a `gib` GiB fp32 buffer."""
-    buf = torch.ones(int(gib * 2 ** 30) // 4)
+    buf = torch.ones(int(gib * 2**30) // 4)
     buf.sum()
     best = float("inf")
     for _ in range(reps):
@@ -74,8 +74,10 @@ def decode_rate(model, prompt_len: int, tokens: int, seed: int) -> float:
     cfg = model.config
     blocks = (prompt_len + tokens) // BLOCK + 2
     shape = (blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
-    kv = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
-          for _ in range(cfg.num_hidden_layers)]
+    kv = [
+        (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        for _ in range(cfg.num_hidden_layers)
+    ]
     table = torch.arange(blocks)[None, :]
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -85,8 +87,13 @@ def decode_rate(model, prompt_len: int, tokens: int, seed: int) -> float:
             t0 = time.perf_counter()
             pos = torch.arange(done, len(ids))
             group = KVGroup(slot_mapping=table[0, pos // BLOCK] * BLOCK + pos % BLOCK, block_tables=table)
-            ctx = AttentionContext(query_start_loc=[0, len(ids) - done], seq_lens=[len(ids)], kv_caches=kv,
-                                   groups=[group], layer_group=[0] * cfg.num_hidden_layers)
+            ctx = AttentionContext(
+                query_start_loc=[0, len(ids) - done],
+                seq_lens=[len(ids)],
+                kv_caches=kv,
+                groups=[group],
+                layer_group=[0] * cfg.num_hidden_layers,
+            )
             hidden = model(torch.tensor(ids[done:]), pos, ctx)
             ids.append(int(model.compute_logits(hidden[-1:])[0].argmax()))
             done = len(ids) - 1
@@ -128,22 +135,44 @@ def main(argv: list[str] | None = None) -> None:
         rate = statistics.median(rates[name])
         roofline = bandwidth / active
         ratios = [r / b for r, b in zip(rates[name], rates["bf16"])]
-        rows[name] = {"decode_tok_s": round(rate, 2), "rounds_tok_s": [round(r, 2) for r in rates[name]],
-                      "resident_weight_bytes": resident, "active_weight_bytes_per_token": active,
-                      "roofline_tok_s": round(roofline, 2), "pct_of_roofline": round(100 * rate / roofline, 1),
-                      "backend": model.backend.name, "speedup_vs_bf16": round(statistics.median(ratios), 2),
-                      "speedup_per_round": [round(r, 2) for r in ratios]}
+        rows[name] = {
+            "decode_tok_s": round(rate, 2),
+            "rounds_tok_s": [round(r, 2) for r in rates[name]],
+            "resident_weight_bytes": resident,
+            "active_weight_bytes_per_token": active,
+            "roofline_tok_s": round(roofline, 2),
+            "pct_of_roofline": round(100 * rate / roofline, 1),
+            "backend": model.backend.name,
+            "speedup_vs_bf16": round(statistics.median(ratios), 2),
+            "speedup_per_round": [round(r, 2) for r in ratios],
+        }
 
-    print(f"{args.preset}, batch-1 decode, cpu backend, {torch.get_num_threads()} thread(s), "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'weights':<16}{'tok/s':>8}{'x bf16':>8}{'resident MB':>13}{'active MB/tok':>15}{'roofline tok/s':>16}{'% roof':>8}")
+    print(
+        f"{args.preset}, batch-1 decode, cpu backend, {torch.get_num_threads()} thread(s), "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'weights':<16}{'tok/s':>8}{'x bf16':>8}{'resident MB':>13}"
+        f"{'active MB/tok':>15}{'roofline tok/s':>16}{'% roof':>8}"
+    )
     for name, r in rows.items():
-        print(f"{name:<16}{r['decode_tok_s']:>8.1f}{r['speedup_vs_bf16']:>8.2f}{r['resident_weight_bytes'] / 1e6:>13.1f}"
-              f"{r['active_weight_bytes_per_token'] / 1e6:>15.1f}{r['roofline_tok_s']:>16.1f}{r['pct_of_roofline']:>8.1f}")
-    print_json({"benchmark": "nvfp4", "preset": args.preset, "tokens": args.tokens, "prompt_len": args.prompt_len,
-                "repeats": args.repeats,
-                "threads": torch.get_num_threads(), "seed": args.seed, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-                "results": rows})
+        print(
+            f"{name:<16}{r['decode_tok_s']:>8.1f}{r['speedup_vs_bf16']:>8.2f}{r['resident_weight_bytes'] / 1e6:>13.1f}"
+            f"{r['active_weight_bytes_per_token'] / 1e6:>15.1f}{r['roofline_tok_s']:>16.1f}{r['pct_of_roofline']:>8.1f}"
+        )
+    print_json(
+        {
+            "benchmark": "nvfp4",
+            "preset": args.preset,
+            "tokens": args.tokens,
+            "prompt_len": args.prompt_len,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "seed": args.seed,
+            "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+            "results": rows,
+        }
+    )
 
 
 if __name__ == "__main__":

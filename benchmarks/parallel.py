@@ -22,8 +22,9 @@ def measure(tp: int, model: str | None, batch: int, tokens: int, pairs: int) -> 
     from musespark import LLM, SamplingParams
     from musespark.parallel import state
 
-    llm = LLM(model=model, tensor_parallel_size=tp, max_model_len=tokens + 64, enable_prefix_caching=False,
-              backend="torch")  # the same backend on both sides (sharded ranks run torch)
+    llm = LLM(
+        model=model, tensor_parallel_size=tp, max_model_len=tokens + 64, enable_prefix_caching=False, backend="torch"
+    )  # the same backend on both sides (sharded ranks run torch)
     prompts = [f"def f{i}(x):" for i in range(batch)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts, params)  # warm-up

@@ -25,8 +25,8 @@ Four workloads with the bundled model, each run without speculation and with ngr
 Decode tokens/s = (output tokens - 1) / (time from the first output token to the last),
 from `LLM.generate_stream`; the figure is the median over the repeats, and the ratio is
 ngram / off (`speedup`; `speedup_cpu_time` is the same ratio by the process's CPU time,
-steadier when other work shares the machine). Both runs must produce the same tokens (greedy speculation is lossless); the
-JSON says so per case. Prints one JSON line last.
+steadier when other work shares the machine). Both runs must produce the same tokens
+(greedy speculation is lossless); the JSON says so per case. Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -92,9 +92,13 @@ def acceptance(llm, before) -> dict:
     drafts = s.spec_num_drafts - before.spec_num_drafts
     draft_tokens = s.spec_num_draft_tokens - before.spec_num_draft_tokens
     accepted = s.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
-            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-            "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None}
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+        "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None,
+    }
 
 
 def main() -> None:
@@ -119,11 +123,20 @@ def main() -> None:
     sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=args.max_tokens, ignore_eos=True)
     code_params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     novel = novel_prompt(off.engine.config.vocab_size)
-    workloads = {"quote": (quote_prompt(tok), greedy), "code": (code_prompts(tok), code_params),
-                 "novel": (novel, sampled), "novel_greedy": (novel, greedy)}
-    result: dict = {"benchmark": "spec_decode", "backend": type(off.engine.model.backend).__name__,
-                    "speculative_config": spec.engine.engine_config.speculative.to_dict(), "batch_size": 1,
-                    "max_tokens": args.max_tokens, "repeats": args.repeats}
+    workloads = {
+        "quote": (quote_prompt(tok), greedy),
+        "code": (code_prompts(tok), code_params),
+        "novel": (novel, sampled),
+        "novel_greedy": (novel, greedy),
+    }
+    result: dict = {
+        "benchmark": "spec_decode",
+        "backend": type(off.engine.model.backend).__name__,
+        "speculative_config": spec.engine.engine_config.speculative.to_dict(),
+        "batch_size": 1,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+    }
     for name, (prompt, params) in workloads.items():
         for llm in (off, spec):  # warm-up
             decode_run(llm, prompt, params)
@@ -141,13 +154,21 @@ def main() -> None:
         a, b = statistics.median(rates["off"]), statistics.median(rates["ngram"])
         ca, cb = statistics.median(rates["off_cpu"]), statistics.median(rates["ngram_cpu"])
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in (prompt if isinstance(prompt, list) else [prompt]))
-        result[name] = {"prompt_tokens": prompt_tokens, "off_decode_tok_s": round(a, 1),
-                        "ngram_decode_tok_s": round(b, 1), "speedup": round(b / a, 3),
-                        "speedup_cpu_time": round(cb / ca, 3),
-                        "temperature": params.temperature, "same_tokens": same if params.greedy else None,
-                        **acceptance(spec, before), "text_head": tok.decode(ids_off[:24])}
-        print(f"{name}: off {a:.1f} tok/s, {method} {b:.1f} tok/s, x{b / a:.2f}, "
-              f"(CPU time x{cb / ca:.2f}), mean acceptance length {result[name]['mean_acceptance_length']}")
+        result[name] = {
+            "prompt_tokens": prompt_tokens,
+            "off_decode_tok_s": round(a, 1),
+            "ngram_decode_tok_s": round(b, 1),
+            "speedup": round(b / a, 3),
+            "speedup_cpu_time": round(cb / ca, 3),
+            "temperature": params.temperature,
+            "same_tokens": same if params.greedy else None,
+            **acceptance(spec, before),
+            "text_head": tok.decode(ids_off[:24]),
+        }
+        print(
+            f"{name}: off {a:.1f} tok/s, {method} {b:.1f} tok/s, x{b / a:.2f}, "
+            f"(CPU time x{cb / ca:.2f}), mean acceptance length {result[name]['mean_acceptance_length']}"
+        )
     print_json(result)
 
 

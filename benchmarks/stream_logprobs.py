@@ -37,10 +37,17 @@ def main() -> None:
         now = time.perf_counter()
         times.append(now - last)
         last = now
-    print_json({"benchmark": "stream_logprobs", "src": musespark.__file__, "tokens": len(times),
-                "logprobs": args.logprobs, "total_s": time.perf_counter() - start,
-                "median_ms_first_100": 1000 * statistics.median(times[1:101]),
-                "median_ms_last_100": 1000 * statistics.median(times[-100:])})
+    print_json(
+        {
+            "benchmark": "stream_logprobs",
+            "src": musespark.__file__,
+            "tokens": len(times),
+            "logprobs": args.logprobs,
+            "total_s": time.perf_counter() - start,
+            "median_ms_first_100": 1000 * statistics.median(times[1:101]),
+            "median_ms_last_100": 1000 * statistics.median(times[-100:]),
+        }
+    )
 
 
 if __name__ == "__main__":

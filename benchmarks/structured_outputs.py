@@ -16,8 +16,7 @@ import argparse
 import statistics
 import time
 
-SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 48,
-          "maxItems": 48}
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 48, "maxItems": 48}
 
 
 def main() -> None:
@@ -44,14 +43,19 @@ def main() -> None:
             outs = llm.generate(prompts, constrained)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
             cms.append((time.perf_counter() - t) * 1e3 / n)
-            free = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=len(o.outputs[0].token_ids))
-                    for o in outs]
+            free = [
+                SamplingParams(temperature=0, ignore_eos=True, max_tokens=len(o.outputs[0].token_ids)) for o in outs
+            ]
             t = time.perf_counter()
             outs = llm.generate(prompts, free)
             fms.append((time.perf_counter() - t) * 1e3 / sum(len(o.outputs[0].token_ids) for o in outs))
         c, f = statistics.median(cms), statistics.median(fms)
-        result[f"batch{B}"] = {"constrained_ms_per_token": round(c, 3), "free_ms_per_token": round(f, 3),
-                               "ratio": round(c / f, 3), "tokens_per_seq": n // B}
+        result[f"batch{B}"] = {
+            "constrained_ms_per_token": round(c, 3),
+            "free_ms_per_token": round(f, 3),
+            "ratio": round(c / f, 3),
+            "tokens_per_seq": n // B,
+        }
     print_json(result)
 
 

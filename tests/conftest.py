@@ -4,7 +4,13 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# Tests live in one folder per layer (model, engine, server, ...). Shared helpers (oracle.py,
+# json_schemas.py) sit here, and a few test modules reuse another's fixtures and helpers by
+# name (`from test_server import ServerProcess`): every folder is importable, and test file
+# names are unique across folders.
+_HERE = Path(__file__).parent
+for _folder in (_HERE, *sorted(p for p in _HERE.iterdir() if p.is_dir() and p.name != "data")):
+    sys.path.insert(0, str(_folder))
 
 # Tests use tiny models: one thread is fastest and immune to oversubscription on shared cores.
 torch.set_num_threads(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+
 def gen_schema(rng: random.Random, depth: int = 0) -> dict:
     kinds = ["string", "integer", "number", "boolean", "enum", "array", "object", "null_union"]
     if depth >= 2:
@@ -26,11 +27,16 @@ def gen_schema(rng: random.Random, depth: int = 0) -> dict:
     if kind == "enum":
         return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, None, True, "x y"], rng.randint(1, 4))}
     if kind == "array":
-        return {"type": "array", "items": gen_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
-                "maxItems": rng.randint(1, 3)}
+        return {
+            "type": "array",
+            "items": gen_schema(rng, depth + 1),
+            "minItems": rng.randint(0, 1),
+            "maxItems": rng.randint(1, 3),
+        }
     if kind == "null_union":
         return {"anyOf": [gen_schema(rng, depth + 1), {"type": "null"}]}
     return gen_object(rng, depth + 1)
+
 
 def gen_object(rng: random.Random, depth: int = 0) -> dict:
     n = rng.randint(1, 4)

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import muse_chat_data as mcd  # noqa: E402
 import tiny_corpus as tc  # noqa: E402
 import train_tiny as tt  # noqa: E402
+
 from musespark.engine import chat as chat_render  # noqa: E402
 from musespark.layers.attention import AttentionContext  # noqa: E402
 from musespark.model.muse_spark import MuseSparkForCausalLM  # noqa: E402
@@ -54,8 +55,14 @@ from musespark.model.muse_spark import MuseSparkForCausalLM  # noqa: E402
 OUT = ROOT / "src" / "musespark" / "models" / "musespark-tiny"
 TEMPLATE = ROOT / "tests" / "data" / "muse_chat_template.jinja"
 SPECIAL = {"bos_token": tc.BOS, "eos_token": tc.EOS}
-BASE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-              "generation_config.json", "README.md")
+BASE_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "README.md",
+)
 NEW_VOCAB = 4100
 EOT_ID = 4099
 EOS_IDS = (1, EOT_ID)
@@ -65,14 +72,17 @@ BASE_VAL_BPB = 1.800  # the base card's validation bits/byte
 
 # -- conversion -------------------------------------------------------------------------
 
+
 def base_dir(run: Path) -> Path:
     """The pre-chat bundled checkpoint (vocab 4096), copied once from src/ into the run dir."""
     base = run / "base"
     if not (base / "model.safetensors").exists():
         cfg = json.loads((OUT / "config.json").read_text())
         if cfg["text_config"]["vocab_size"] != 4096:
-            raise SystemExit(f"{base} is missing and {OUT} is already converted; restore the base with "
-                             "`git show HEAD:src/musespark/models/musespark-tiny/...`")
+            raise SystemExit(
+                f"{base} is missing and {OUT} is already converted; restore the base with "
+                "`git show HEAD:src/musespark/models/musespark-tiny/...`"
+            )
         base.mkdir(parents=True, exist_ok=True)
         for f in BASE_FILES:
             shutil.copy2(OUT / f, base / f)
@@ -109,7 +119,9 @@ def grown_model(run: Path, seed: int) -> MuseSparkForCausalLM:
     for name in ("embed_tokens.weight", "lm_head.weight"):
         old = state[name]
         extra = NEW_VOCAB - old.shape[0]
-        new = old.mean(0, keepdim=True) + 0.1 * old.std(0, keepdim=True) * torch.randn(extra, old.shape[1], generator=gen)
+        new = old.mean(0, keepdim=True) + 0.1 * old.std(0, keepdim=True) * torch.randn(
+            extra, old.shape[1], generator=gen
+        )
         state[name] = torch.cat([old, new], 0)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(m.endswith(("inv_freq",)) for m in missing), (missing, unexpected)
@@ -117,6 +129,7 @@ def grown_model(run: Path, seed: int) -> MuseSparkForCausalLM:
 
 
 # -- data --------------------------------------------------------------------------------
+
 
 def code_streams(run: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The stdlib train/validation token streams of train_tiny.py (cached in the run dir)."""
@@ -151,8 +164,9 @@ def encode_chat(conv: mcd.Conversation, tok, template: str) -> tuple[list[int], 
     return p + t, len(p)
 
 
-def chat_batch(seed: int, step: int, n: int, tok, template: str, max_len: int,
-               version: int = mcd.DATA_VERSION) -> list[tuple[list[int], int]]:
+def chat_batch(
+    seed: int, step: int, n: int, tok, template: str, max_len: int, version: int = mcd.DATA_VERSION
+) -> list[tuple[list[int], int]]:
     out, i = [], step * n * 2  # conversation indices [2n*step, 2n*(step+1)): spares for over-long ones
     while len(out) < n:
         ids, np_ = encode_chat(mcd.example(seed, i, version), tok, template)
@@ -173,7 +187,7 @@ def _weights(ids: list[int], n_prompt: int) -> torch.Tensor:
     w = torch.ones(len(ids) - 1)
     if COPY_WEIGHT == 1.0:
         return w
-    tail = set(ids[max(0, n_prompt - COPY_TAIL):n_prompt]) - _STRUCTURAL
+    tail = set(ids[max(0, n_prompt - COPY_TAIL) : n_prompt]) - _STRUCTURAL
     for i in range(n_prompt - 1, len(ids) - 1):
         if ids[i + 1] in tail:
             w[i] = COPY_WEIGHT
@@ -218,12 +232,17 @@ def chat_eval_loss(model, batch: list[tuple[list[int], int]]) -> float:
 
 # -- training ----------------------------------------------------------------------------
 
+
 def make_optimizer(model, lr: float, weight_decay: float):
     """train_tiny.py's AdamW: β 0.9/0.95, eps 1e-8, weight decay on matrices only."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
 
 def train(args) -> None:
@@ -236,8 +255,10 @@ def train(args) -> None:
     template = TEMPLATE.read_text()
     COPY_WEIGHT = args.copy_weight
     # The framing every output repeats (headers, ATEM tags) is not an argument copy.
-    framing = "<|start|>assistant to=user<|message|><atem:function_calls>\n<atem:invoke name=\"x\">\n" \
-              "<atem:parameter name=\"x\"></atem:parameter>\n</atem:invoke>\n</atem:function_calls> to=self"
+    framing = (
+        '<|start|>assistant to=user<|message|><atem:function_calls>\n<atem:invoke name="x">\n'
+        '<atem:parameter name="x"></atem:parameter>\n</atem:invoke>\n</atem:function_calls> to=self'
+    )
     _STRUCTURAL.update(tok.encode(framing, add_special_tokens=False).ids)
     model = grown_model(run, args.seed)
     opt = make_optimizer(model, args.lr, args.weight_decay)
@@ -257,8 +278,11 @@ def train(args) -> None:
     elapsed_before = history[-1]["elapsed"] if history else 0.0
     if step == 0:
         bpb, _ = tt.bits_per_byte(model, val_win, blen)
-        print(f"before: val {bpb:.4f} bits/byte ({args.val_windows} windows), held-out chat loss "
-              f"{chat_eval_loss(model, eval_chats):.3f}", flush=True)
+        print(
+            f"before: val {bpb:.4f} bits/byte ({args.val_windows} windows), held-out chat loss "
+            f"{chat_eval_loss(model, eval_chats):.3f}",
+            flush=True,
+        )
     model.train()
     rec = tt.LoadRecorder(model)
     t_start = time.time()
@@ -272,7 +296,9 @@ def train(args) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         chats = chat_batch(args.seed, step, args.chats, tok, template, args.max_len, args.data_version)
-        code = tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
+        code = (
+            tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
+        )
         rec.reset()
         chat_loss, code_loss = packed_loss(model, chats, code)
         loss = chat_loss + (args.code_weight * code_loss if code_loss is not None else 0.0)
@@ -286,18 +312,28 @@ def train(args) -> None:
         cl = float(chat_loss.detach())
         ema = cl if ema is None else 0.95 * ema + 0.05 * cl
         now = time.time()
-        entry = {"step": step, "chat_loss": cl, "code_loss": float(code_loss.detach()) if code_loss is not None else None,
-                 "lr": lr, "gnorm": gnorm, "elapsed": elapsed_before + now - t_start}
+        entry = {
+            "step": step,
+            "chat_loss": cl,
+            "code_loss": float(code_loss.detach()) if code_loss is not None else None,
+            "lr": lr,
+            "gnorm": gnorm,
+            "elapsed": elapsed_before + now - t_start,
+        }
         if step % args.log_every == 0 or step == args.steps:
             tps = tok_since / max(1e-9, now - t_last)
             entry["tok_s"] = tps
-            msg = (f"step {step}: chat {cl:.3f} (ema {ema:.3f}) code {entry['code_loss']:.3f} lr {lr:.2e} "
-                   f"{tps:.0f} tok/s {entry['elapsed'] / 60:.1f} min")
+            msg = (
+                f"step {step}: chat {cl:.3f} (ema {ema:.3f}) code {entry['code_loss']:.3f} lr {lr:.2e} "
+                f"{tps:.0f} tok/s {entry['elapsed'] / 60:.1f} min"
+            )
             if step % args.eval_every == 0 or step == args.steps:
                 bpb, _ = tt.bits_per_byte(model, val_win, blen)
                 entry.update(val_bpb=bpb, heldout_chat_loss=chat_eval_loss(model, eval_chats))
                 loads = min(float((c.float() / c.sum()).min()) for c in rec.counts.values())
-                msg += f" | val {bpb:.4f} bits/byte, held-out chat {entry['heldout_chat_loss']:.3f}, min load {loads:.3f}"
+                msg += (
+                    f" | val {bpb:.4f} bits/byte, held-out chat {entry['heldout_chat_loss']:.3f}, min load {loads:.3f}"
+                )
             print(msg, flush=True)
             t_last, tok_since = time.time(), 0
         history.append(entry)
@@ -310,6 +346,7 @@ def train(args) -> None:
 
 # -- evaluation ----------------------------------------------------------------------------
 
+
 def generate_all(llm, convs: list[mcd.Conversation], max_tokens: int):
     from musespark import SamplingParams
     from musespark.parsers import MuseOutputParser, tool_schemas_from_openai
@@ -321,8 +358,9 @@ def generate_all(llm, convs: list[mcd.Conversation], max_tokens: int):
     results = []
     for c, o in zip(convs, outs):
         comp = o.outputs[0]
-        parsed = MuseOutputParser(reasoning=True, tools=True,
-                                  tool_names=tool_schemas_from_openai(c.tools)).parse(comp.text)
+        parsed = MuseOutputParser(reasoning=True, tools=True, tool_names=tool_schemas_from_openai(c.tools)).parse(
+            comp.text
+        )
         results.append((comp, parsed))
     return results
 
@@ -341,10 +379,14 @@ def score_tool_call(c: mcd.Conversation, parsed) -> tuple[bool, bool]:
         return False, False
     schema = mcd.TOOLS[call.name]["function"]["parameters"]
     types = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
-    valid = isinstance(args, dict) and all(
-        k in args and isinstance(args[k], types.get(schema["properties"][k].get("type"), object))
-        for k in schema.get("required", ())) and all(
-        isinstance(v, types.get(schema["properties"].get(k, {}).get("type"), object)) for k, v in args.items())
+    valid = (
+        isinstance(args, dict)
+        and all(
+            k in args and isinstance(args[k], types.get(schema["properties"][k].get("type"), object))
+            for k in schema.get("required", ())
+        )
+        and all(isinstance(v, types.get(schema["properties"].get(k, {}).get("type"), object)) for k, v in args.items())
+    )
     return valid, valid and args == c.expected["arguments"]
 
 
@@ -391,23 +433,36 @@ def evaluate_chat(out: Path, n_tool: int, n_conv: int, max_tokens: int) -> dict:
     sample = {}
     for c, (comp, parsed) in zip(convs, res_c):
         if c.kind not in sample:
-            sample[c.kind] = {"user": next(m["content"] for m in reversed(c.messages) if m["role"] == "user"),
-                              "last": c.messages[-1]["role"], "output": comp.text,
-                              "reasoning": parsed.reasoning, "content": parsed.content,
-                              "tool_calls": [(t.name, t.arguments) for t in parsed.tool_calls]}
+            sample[c.kind] = {
+                "user": next(m["content"] for m in reversed(c.messages) if m["role"] == "user"),
+                "last": c.messages[-1]["role"],
+                "output": comp.text,
+                "reasoning": parsed.reasoning,
+                "content": parsed.content,
+                "tool_calls": [(t.name, t.arguments) for t in parsed.tool_calls],
+            }
     first = res_t[0]
-    sample["tool_call"] = {"user": tasks[0].messages[-1]["content"], "output": first[0].text,
-                           "reasoning": first[1].reasoning, "content": first[1].content,
-                           "tool_calls": [(t.name, t.arguments) for t in first[1].tool_calls]}
+    sample["tool_call"] = {
+        "user": tasks[0].messages[-1]["content"],
+        "output": first[0].text,
+        "reasoning": first[1].reasoning,
+        "content": first[1].content,
+        "tool_calls": [(t.name, t.arguments) for t in first[1].tool_calls],
+    }
     return {
-        "tool_tasks": len(tasks), "tool_exact": frac(tool["exact"]), "tool_valid": frac(tool["valid"]),
+        "tool_tasks": len(tasks),
+        "tool_exact": frac(tool["exact"]),
+        "tool_valid": frac(tool["valid"]),
         "tool_exact_by_tool": {k: [sum(v), len(v)] for k, v in tool["by_tool"].items()},
         "tool_exact_seen_entities": [sum(tool["seen"]), len(tool["seen"])],
         "tool_exact_unseen_entities": [sum(tool["unseen"]), len(tool["unseen"])],
         "format_by_kind": {k: [sum(v), len(v)] for k, v in kinds.items()},
-        "format_all": frac([x for v in kinds.values() for x in v]), "format_n": sum(len(v) for v in kinds.values()),
+        "format_all": frac([x for v in kinds.values() for x in v]),
+        "format_n": sum(len(v) for v in kinds.values()),
         "final_answer_has_value": [sum(value_hits), len(value_hits)],
-        "tool_failures": examples, "samples": sample, "generation_seconds": gen_s,
+        "tool_failures": examples,
+        "samples": sample,
+        "generation_seconds": gen_s,
     }
 
 
@@ -430,8 +485,15 @@ def export(args) -> None:
     tcfg.pop("chat_template")
     (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
     shutil.copyfile(TEMPLATE, out / "chat_template.jinja")
-    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(EOS_IDS), "pad_token_id": 1,
-               "do_sample": True, "temperature": 0.7, "top_p": 0.95, "max_new_tokens": 256}
+    gen_cfg = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(EOS_IDS),
+        "pad_token_id": 1,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "max_new_tokens": 256,
+    }
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     if args.files_only:
         print(f"wrote {out} (files only)")
@@ -452,13 +514,19 @@ def export(args) -> None:
     print(json.dumps({k: v for k, v in chat.items() if k not in ("samples", "tool_failures")}, indent=1), flush=True)
     hist = st["history"]
     last = hist[-50:]
-    results = {"val_bits_per_byte": val_bpb, "val_nats_per_token": val_npt,
-               "val_tokens_scored": int(val_win[:, 1:].numel()), "val_bytes_scored": int(blen[val_win[:, 1:]].sum()),
-               "expert_load": {str(k): v for k, v in loads.items()},
-               "min_expert_load": min(min(v) for v in loads.values()), "steps": st["step"],
-               "chat_loss_last50": sum(h["chat_loss"] for h in last) / len(last),
-               "code_loss_last50": sum(h["code_loss"] for h in last if h["code_loss"] is not None) / len(last),
-               "wall_minutes": hist[-1]["elapsed"] / 60, "chat": chat}
+    results = {
+        "val_bits_per_byte": val_bpb,
+        "val_nats_per_token": val_npt,
+        "val_tokens_scored": int(val_win[:, 1:].numel()),
+        "val_bytes_scored": int(blen[val_win[:, 1:]].sum()),
+        "expert_load": {str(k): v for k, v in loads.items()},
+        "min_expert_load": min(min(v) for v in loads.values()),
+        "steps": st["step"],
+        "chat_loss_last50": sum(h["chat_loss"] for h in last) / len(last),
+        "code_loss_last50": sum(h["code_loss"] for h in last if h["code_loss"] is not None) / len(last),
+        "wall_minutes": hist[-1]["elapsed"] / 60,
+        "chat": chat,
+    }
     (run / "results.json").write_text(json.dumps(results, indent=2))
     write_card(out, args, st, results, base_readme, cfg)
 
@@ -491,36 +559,50 @@ def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg) -> None:
     total_params = sum(p.numel() for p in MuseSparkForCausalLM(cfg).parameters())
 
     def command(sa: dict, resume: bool) -> str:
-        return (f".venv/bin/python tools/finetune_muse.py --steps {sa['steps']} --chats {sa['chats']} "
-                f"--code-windows {sa['code_windows']} --lr {sa['lr']} --warmup {sa['warmup']} "
-                f"--bias-rate {sa['bias_rate']} --seed {sa['seed']} --threads {sa['threads']} "
-                f"--data-version {sa.get('data_version', 2)}"
-                + (f" --time-limit {sa['time_limit']:g}" if sa.get("time_limit") else "")
-                + (" --resume" if resume else "") + " --no-export")
+        return (
+            f".venv/bin/python tools/finetune_muse.py --steps {sa['steps']} --chats {sa['chats']} "
+            f"--code-windows {sa['code_windows']} --lr {sa['lr']} --warmup {sa['warmup']} "
+            f"--bias-rate {sa['bias_rate']} --seed {sa['seed']} --threads {sa['threads']} "
+            f"--data-version {sa.get('data_version', 2)}"
+            + (f" --time-limit {sa['time_limit']:g}" if sa.get("time_limit") else "")
+            + (" --resume" if resume else "")
+            + " --no-export"
+        )
+
     ends = [x["start_step"] for x in sessions[1:]] + [st["step"]]
-    cmd = "\n".join(f"# steps {x['start_step']}-{e}\n" + command(x["args"], x["start_step"] > 0)
-                    for x, e in zip(sessions, ends))
+    cmd = "\n".join(
+        f"# steps {x['start_step']}-{e}\n" + command(x["args"], x["start_step"] > 0) for x, e in zip(sessions, ends)
+    )
     cmd += "\n.venv/bin/python tools/finetune_muse.py --export-only   # writes this directory + this card"
     a = sessions[-1]["args"]
     E = cfg.num_local_experts
     loads = r["expert_load"]
-    load_rows = "\n".join(f"| {i} | " + " | ".join(f"{100 * x:.1f}" for x in v) + f" | {100 * min(v):.1f} |"
-                          for i, v in loads.items())
+    load_rows = "\n".join(
+        f"| {i} | " + " | ".join(f"{100 * x:.1f}" for x in v) + f" | {100 * min(v):.1f} |" for i, v in loads.items()
+    )
     fb = ch["format_by_kind"]
 
     def pct(pair):
         return f"{pair[0]}/{pair[1]} ({100 * pair[0] / max(1, pair[1]):.0f}%)"
+
     by_tool = ", ".join(f"`{k}` {pct(v)}" for k, v in ch["tool_exact_by_tool"].items())
     tps = [h["tok_s"] for h in st["history"] if "tok_s" in h]
     samples = "\n\n".join(
         f"`{kind}` — last user message: {json.dumps(s['user'])}"
-        + (" (then the tool's result)" if s.get("last") == "tool" else "") + f"\n\n```\n{s['output']}\n```\n\n"
+        + (" (then the tool's result)" if s.get("last") == "tool" else "")
+        + f"\n\n```\n{s['output']}\n```\n\n"
         f"parsed: reasoning {json.dumps(s['reasoning'])}, content {json.dumps(s['content'])}, "
         f"tool_calls {json.dumps(s['tool_calls'])}"
-        for kind, s in ch["samples"].items())
-    failures = "\n".join(f"- {json.dumps(f['user'])} expected `{f['expected']['name']}` "
-                         f"{json.dumps(f['expected']['arguments'])}, got `{json.dumps(f['output'][:300])}`"
-                         for f in ch["tool_failures"]) or "- none"
+        for kind, s in ch["samples"].items()
+    )
+    failures = (
+        "\n".join(
+            f"- {json.dumps(f['user'])} expected `{f['expected']['name']}` "
+            f"{json.dumps(f['expected']['arguments'])}, got `{json.dumps(f['output'][:300])}`"
+            for f in ch["tool_failures"]
+        )
+        or "- none"
+    )
     kw = {k: round(100 * w) for k, w in mcd.KIND_WEIGHTS}
     status = (
         "**Status.** Right tool with valid arguments: {valid:.0f}% (the issue asks for at least 90%). "
@@ -529,7 +611,8 @@ def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg) -> None:
         "argument values (cities, expressions, paths) from the question, nor quote a tool's result in "
         "its answer. Teaching it to copy is the next step (more steps, `--copy-weight`, a longer run).\n\n"
     ).format(valid=100 * ch["tool_valid"], exact=100 * ch["tool_exact"])
-    readme = f"""# musespark-tiny
+    readme = (
+        f"""# musespark-tiny
 
 A tiny Muse Spark 1x text decoder, bundled with `musespark` as its default/demo model. It was
 pre-trained from scratch on the Python standard library (`tools/train_tiny.py`) and then
@@ -558,7 +641,7 @@ and with `transformers==5.23.0` `MuseSparkForConditionalGeneration.from_pretrain
 | mlp_layer_types | {", ".join(cfg.mlp_layer_types)} |
 | dense SwiGLU | intermediate {cfg.intermediate_size} |
 | MoE | {E} experts, top-{cfg.num_experts_per_tok}, moe_hidden {cfg.moe_hidden_size}, moe_intermediate {cfg.moe_intermediate_size} |
-| max_position_embeddings | {cfg.max_position_embeddings} (pre-trained on 256-token windows, fine-tuned on chats up to {a['max_len']} tokens) |
+| max_position_embeddings | {cfg.max_position_embeddings} (pre-trained on 256-token windows, fine-tuned on chats up to {a["max_len"]} tokens) |
 | bos / eos | 0 `<|begin_of_text|>` / 1 `<|end_of_text|>` and {EOT_ID} `<|eot|>` |
 | parameters | {total_params:,} total |
 
@@ -612,22 +695,22 @@ the per-dimension std). Data: seeded synthetic conversations from `tools/muse_ch
 the path the server takes) with this `chat_template.jinja`, a varied fixed `current_date` and
 `reasoning_strength` low/medium/high. Tools: `get_weather(city, unit?)`, `calculator(expression)`,
 `read_file(path)`; each conversation offers a random subset in random order (sometimes none).
-Kinds: first-turn tool call ({kw['tool_call']}%), answer from a tool result ({kw['tool_result']}%), plain
-chat ({kw['plain']}%), a needed tool that is not offered → say so ({kw['no_tool']}%); 30% have earlier turns
+Kinds: first-turn tool call ({kw["tool_call"]}%), answer from a tool result ({kw["tool_result"]}%), plain
+chat ({kw["plain"]}%), a needed tool that is not offered → say so ({kw["no_tool"]}%); 30% have earlier turns
 (plain or a whole tool round trip) and 20% a client system message. User phrasings vary; the
 assistant's reasoning is one fixed sentence per (tool, reasoning strength) naming the intent, and
 answers follow one pattern per tool that copies the tool result's values. {100 - mcd.HOLD_OUT_PERCENT}% of cities and file paths are used in
 training; the other {mcd.HOLD_OUT_PERCENT}% (by a hash of the value) are held out for evaluation.
 
-Each step packs {a['chats']} conversations (loss only on the assistant's output after the final
-`<|start|>assistant`, through `<|eot|>`) and {a['code_windows']} stdlib training windows of
-{a['seq_len']} tokens (full loss, weight {a['code_weight']}) into one varlen forward: fp32,
-AdamW (β 0.9/0.95, weight decay {a['weight_decay']} on matrices), peak lr {a['lr']}, {a['warmup']}
-warmup steps then cosine to 10%, grad clip {a['clip']}, {st['step']} steps, router-bias balancing
-as in pre-training (rate {a['bias_rate']}). Data order is a pure function of (seed, step).
-Final losses (mean of the last 50 steps): chat {r['chat_loss_last50']:.3f}, code {r['code_loss_last50']:.3f} nats/token.
+Each step packs {a["chats"]} conversations (loss only on the assistant's output after the final
+`<|start|>assistant`, through `<|eot|>`) and {a["code_windows"]} stdlib training windows of
+{a["seq_len"]} tokens (full loss, weight {a["code_weight"]}) into one varlen forward: fp32,
+AdamW (β 0.9/0.95, weight decay {a["weight_decay"]} on matrices), peak lr {a["lr"]}, {a["warmup"]}
+warmup steps then cosine to 10%, grad clip {a["clip"]}, {st["step"]} steps, router-bias balancing
+as in pre-training (rate {a["bias_rate"]}). Data order is a pure function of (seed, step).
+Final losses (mean of the last 50 steps): chat {r["chat_loss_last50"]:.3f}, code {r["code_loss_last50"]:.3f} nats/token.
 
-Wall time: {r['wall_minutes']:.1f} min with {a['threads']} torch thread(s) on a 2-core CPU shared with other work ({_cpu_model()}), ~{sum(tps) / max(1, len(tps)):.0f} tokens/s.
+Wall time: {r["wall_minutes"]:.1f} min with {a["threads"]} torch thread(s) on a 2-core CPU shared with other work ({_cpu_model()}), ~{sum(tps) / max(1, len(tps)):.0f} tokens/s.
 
 ## Results
 
@@ -635,33 +718,37 @@ Wall time: {r['wall_minutes']:.1f} min with {a['threads']} torch thread(s) on a 
 musespark's engine (`LLM(...).generate` on prompts from `InputProcessor.render_chat`, up to
 {args.eval_max_tokens} tokens, `skip_special_tokens=False`), parsed with
 `MuseOutputParser(reasoning=True, tools=True, tool_names=tool_schemas_from_openai(tools))`, on
-held-out conversations (seed {EVAL_SEED}; training uses seed {a['seed']}).
+held-out conversations (seed {EVAL_SEED}; training uses seed {a["seed"]}).
 
 | | |
 |---|---|
-| tool tasks ({ch['tool_tasks']} first-turn calls): right tool, arguments valid JSON and equal to the expected | **{100 * ch['tool_exact']:.0f}%** |
-| tool tasks: right tool + valid arguments (JSON object with every required parameter, of its schema type) | {100 * ch['tool_valid']:.0f}% |
+| tool tasks ({ch["tool_tasks"]} first-turn calls): right tool, arguments valid JSON and equal to the expected | **{100 * ch["tool_exact"]:.0f}%** |
+| tool tasks: right tool + valid arguments (JSON object with every required parameter, of its schema type) | {100 * ch["tool_valid"]:.0f}% |
 | tool tasks by tool (exact) | {by_tool} |
-| tool tasks, `get_weather`/`read_file` with entities seen in training / held out | {pct(ch['tool_exact_seen_entities'])} / {pct(ch['tool_exact_unseen_entities'])} |
-| format ({ch['format_n']} held-out conversations of every kind): non-empty reasoning, ends with `<|eot|>`, a tool call or a non-empty answer as the kind expects | **{100 * ch['format_all']:.0f}%** |
+| tool tasks, `get_weather`/`read_file` with entities seen in training / held out | {pct(ch["tool_exact_seen_entities"])} / {pct(ch["tool_exact_unseen_entities"])} |
+| format ({ch["format_n"]} held-out conversations of every kind): non-empty reasoning, ends with `<|eot|>`, a tool call or a non-empty answer as the kind expects | **{100 * ch["format_all"]:.0f}%** |
 | format by kind | {", ".join(f"{k} {pct(v)}" for k, v in fb.items())} |
-| answer after a tool result contains the result's value | {pct(ch['final_answer_has_value'])} |
-| validation bits/byte on held-out stdlib code (before fine-tuning: {BASE_VAL_BPB:.3f}) | **{r['val_bits_per_byte']:.3f}** ({r['val_nats_per_token']:.3f} nats/token; {r['val_tokens_scored']:,} tokens, {r['val_bytes_scored']:,} bytes) |
+| answer after a tool result contains the result's value | {pct(ch["final_answer_has_value"])} |
+| validation bits/byte on held-out stdlib code (before fine-tuning: {BASE_VAL_BPB:.3f}) | **{r["val_bits_per_byte"]:.3f}** ({r["val_nats_per_token"]:.3f} nats/token; {r["val_tokens_scored"]:,} tokens, {r["val_bytes_scored"]:,} bytes) |
 
 Bits per byte as in train_tiny.py: total nats / ln 2 / total UTF-8 bytes, non-overlapping
-{a['seq_len']}-token windows of the validation split.
+{a["seq_len"]}-token windows of the validation split.
 
-Tool-task failures (first {len(ch['tool_failures'])}):
+Tool-task failures (first {len(ch["tool_failures"])}):
 
 {failures}
 
 ### Expert load on the validation split (% of routed tokens)
 
-| layer | """ + " | ".join(f"e{e}" for e in range(E)) + """ | min |
-|---|""" + "---|" * (E + 1) + f"""
+| layer | """
+        + " | ".join(f"e{e}" for e in range(E))
+        + """ | min |
+|---|"""
+        + "---|" * (E + 1)
+        + f"""
 {load_rows}
 
-Minimum over all sparse layers: {100 * r['min_expert_load']:.1f}% (uniform would be {100 / E:.1f}%).
+Minimum over all sparse layers: {100 * r["min_expert_load"]:.1f}% (uniform would be {100 / E:.1f}%).
 
 ### Greedy samples (held-out conversations)
 
@@ -672,6 +759,7 @@ Minimum over all sparse layers: {100 * r['min_expert_load']:.1f}% (uniform would
 `generation_config.json`: sampling with temperature 0.7, top_p 0.95, max_new_tokens 256,
 eos [1, {EOT_ID}].
 """
+    )
     (out / "README.md").write_text(readme)
     print(f"wrote {out / 'README.md'}")
 
@@ -685,10 +773,18 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256, help="code window length")
     p.add_argument("--max-len", type=int, default=1024, help="longest conversation (tokens)")
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--copy-weight", type=float, default=1.0,
-                   help="loss weight of output tokens that repeat the prompt's last message (argument values)")
-    p.add_argument("--data-version", type=int, default=mcd.DATA_VERSION,
-                   help="reasoning templates of tools/muse_chat_data.py (2 or 3)")
+    p.add_argument(
+        "--copy-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of output tokens that repeat the prompt's last message (argument values)",
+    )
+    p.add_argument(
+        "--data-version",
+        type=int,
+        default=mcd.DATA_VERSION,
+        help="reasoning templates of tools/muse_chat_data.py (2 or 3)",
+    )
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)

@@ -37,55 +37,244 @@ START, MESSAGE, EOM, EOT = "<|start|>", "<|message|>", "<|eom|>", "<|eot|>"
 MUSE_SPECIAL_TOKENS = [START, MESSAGE, EOM, EOT]
 
 TOOLS: dict[str, dict[str, Any]] = {
-    "get_weather": {"type": "function", "function": {
-        "name": "get_weather", "description": "Get the current weather for a city.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "City name, e.g. Paris"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"]}}},
-    "calculator": {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {
-            "expression": {"type": "string", "description": "e.g. (3 + 4) * 5"}},
-            "required": ["expression"]}}},
-    "read_file": {"type": "function", "function": {
-        "name": "read_file", "description": "Read a text file and return its contents.",
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": "Path of the file"}},
-            "required": ["path"]}}},
+    "get_weather": {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name, e.g. Paris"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    "calculator": {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 5"}},
+                "required": ["expression"],
+            },
+        },
+    },
+    "read_file": {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file and return its contents.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "description": "Path of the file"}},
+                "required": ["path"],
+            },
+        },
+    },
 }
 TOOL_NAMES = list(TOOLS)
 STRENGTHS = ["low", "medium", "high"]
 HOLD_OUT_PERCENT = 20
 
 CITIES = [
-    "Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Lisbon", "Vienna", "Prague", "Warsaw",
-    "Oslo", "Stockholm", "Helsinki", "Copenhagen", "Dublin", "Amsterdam", "Brussels", "Zurich",
-    "Geneva", "Athens", "Istanbul", "Cairo", "Nairobi", "Lagos", "Cape Town", "Dubai", "Mumbai",
-    "Delhi", "Bangkok", "Singapore", "Jakarta", "Manila", "Seoul", "Beijing", "Shanghai",
-    "Hong Kong", "Sydney", "Melbourne", "Auckland", "Toronto", "Vancouver", "Montreal", "Chicago",
-    "Boston", "Seattle", "Denver", "Austin", "Miami", "New York", "Los Angeles", "San Francisco",
-    "Mexico City", "Lima", "Bogota", "Santiago", "Buenos Aires", "Sao Paulo", "Havana", "Reykjavik",
-    "Budapest", "Krakow", "Munich", "Hamburg", "Milan", "Naples", "Barcelona", "Seville", "Porto",
-    "Edinburgh", "Glasgow", "Marseille", "Lyon", "Kyoto", "Osaka", "Hanoi", "Kathmandu", "Tunis",
-    "Casablanca", "Accra", "Addis Ababa", "Perth", "Calgary", "Phoenix", "Atlanta", "Portland",
-    "Quito", "Montevideo", "Tallinn", "Riga", "Vilnius", "Sofia", "Bucharest", "Belgrade", "Zagreb",
+    "Paris",
+    "London",
+    "Tokyo",
+    "Berlin",
+    "Madrid",
+    "Rome",
+    "Lisbon",
+    "Vienna",
+    "Prague",
+    "Warsaw",
+    "Oslo",
+    "Stockholm",
+    "Helsinki",
+    "Copenhagen",
+    "Dublin",
+    "Amsterdam",
+    "Brussels",
+    "Zurich",
+    "Geneva",
+    "Athens",
+    "Istanbul",
+    "Cairo",
+    "Nairobi",
+    "Lagos",
+    "Cape Town",
+    "Dubai",
+    "Mumbai",
+    "Delhi",
+    "Bangkok",
+    "Singapore",
+    "Jakarta",
+    "Manila",
+    "Seoul",
+    "Beijing",
+    "Shanghai",
+    "Hong Kong",
+    "Sydney",
+    "Melbourne",
+    "Auckland",
+    "Toronto",
+    "Vancouver",
+    "Montreal",
+    "Chicago",
+    "Boston",
+    "Seattle",
+    "Denver",
+    "Austin",
+    "Miami",
+    "New York",
+    "Los Angeles",
+    "San Francisco",
+    "Mexico City",
+    "Lima",
+    "Bogota",
+    "Santiago",
+    "Buenos Aires",
+    "Sao Paulo",
+    "Havana",
+    "Reykjavik",
+    "Budapest",
+    "Krakow",
+    "Munich",
+    "Hamburg",
+    "Milan",
+    "Naples",
+    "Barcelona",
+    "Seville",
+    "Porto",
+    "Edinburgh",
+    "Glasgow",
+    "Marseille",
+    "Lyon",
+    "Kyoto",
+    "Osaka",
+    "Hanoi",
+    "Kathmandu",
+    "Tunis",
+    "Casablanca",
+    "Accra",
+    "Addis Ababa",
+    "Perth",
+    "Calgary",
+    "Phoenix",
+    "Atlanta",
+    "Portland",
+    "Quito",
+    "Montevideo",
+    "Tallinn",
+    "Riga",
+    "Vilnius",
+    "Sofia",
+    "Bucharest",
+    "Belgrade",
+    "Zagreb",
 ]
-DIRS = ["", "", "./", "src/", "docs/", "config/", "/etc/", "/tmp/", "~/", "data/", "notes/", "app/",
-        "scripts/", "/var/log/", "home/user/", "projects/demo/", "build/", "tests/"]
-FILES = ["notes.txt", "todo.md", "README.md", "main.py", "config.yaml", "settings.json", "hosts",
-         "data.csv", "app.log", "requirements.txt", "setup.cfg", "report.txt", "index.html",
-         "Makefile", "schema.sql", "utils.py", "server.conf", "CHANGELOG.md", "poem.txt", "list.txt",
-         "version.txt", "greeting.txt", "env.sh", "users.csv", "errors.log", "plan.md", "recipe.txt"]
-CONDITIONS = ["clear", "sunny", "cloudy", "partly cloudy", "overcast", "light rain", "rain", "snow",
-              "windy", "foggy", "thunderstorms", "drizzle", "humid", "hazy"]
+DIRS = [
+    "",
+    "",
+    "./",
+    "src/",
+    "docs/",
+    "config/",
+    "/etc/",
+    "/tmp/",
+    "~/",
+    "data/",
+    "notes/",
+    "app/",
+    "scripts/",
+    "/var/log/",
+    "home/user/",
+    "projects/demo/",
+    "build/",
+    "tests/",
+]
+FILES = [
+    "notes.txt",
+    "todo.md",
+    "README.md",
+    "main.py",
+    "config.yaml",
+    "settings.json",
+    "hosts",
+    "data.csv",
+    "app.log",
+    "requirements.txt",
+    "setup.cfg",
+    "report.txt",
+    "index.html",
+    "Makefile",
+    "schema.sql",
+    "utils.py",
+    "server.conf",
+    "CHANGELOG.md",
+    "poem.txt",
+    "list.txt",
+    "version.txt",
+    "greeting.txt",
+    "env.sh",
+    "users.csv",
+    "errors.log",
+    "plan.md",
+    "recipe.txt",
+]
+CONDITIONS = [
+    "clear",
+    "sunny",
+    "cloudy",
+    "partly cloudy",
+    "overcast",
+    "light rain",
+    "rain",
+    "snow",
+    "windy",
+    "foggy",
+    "thunderstorms",
+    "drizzle",
+    "humid",
+    "hazy",
+]
 FILE_LINES = [
-    "buy milk", "call Anna at 5", "host=localhost", "port=8080", "debug=true", "version 1.4.2",
-    "print('hello')", "import os", "name,age", "alice,31", "bob,27", "TODO: fix the login bug",
-    "Hello, world!", "ERROR disk full", "INFO server started", "SELECT * FROM users;",
-    "timeout: 30", "retries: 3", "- write the report", "- review the PR", "flour 200g", "sugar 50g",
-    "The quick brown fox", "jumps over the lazy dog", "export PATH=$HOME/bin:$PATH", "{\"debug\": false}",
-    "pytest>=8", "numpy==1.26", "meeting on Monday", "roses are red", "user=admin", "level=warning",
+    "buy milk",
+    "call Anna at 5",
+    "host=localhost",
+    "port=8080",
+    "debug=true",
+    "version 1.4.2",
+    "print('hello')",
+    "import os",
+    "name,age",
+    "alice,31",
+    "bob,27",
+    "TODO: fix the login bug",
+    "Hello, world!",
+    "ERROR disk full",
+    "INFO server started",
+    "SELECT * FROM users;",
+    "timeout: 30",
+    "retries: 3",
+    "- write the report",
+    "- review the PR",
+    "flour 200g",
+    "sugar 50g",
+    "The quick brown fox",
+    "jumps over the lazy dog",
+    "export PATH=$HOME/bin:$PATH",
+    '{"debug": false}',
+    "pytest>=8",
+    "numpy==1.26",
+    "meeting on Monday",
+    "roses are red",
+    "user=admin",
+    "level=warning",
 ]
 
 GREETINGS = [
@@ -122,9 +311,14 @@ FACTS = [
     ("Translate 'hello' to Spanish.", "'Hello' in Spanish is 'hola'."),
     ("What month comes after March?", "April comes after March."),
 ]
-SYSTEM_PROMPTS = ["Be terse.", "You are a helpful assistant.", "Answer briefly and politely.",
-                  "You are a friendly assistant for a small company.", "Keep answers short.",
-                  "You help users with weather, math and files."]
+SYSTEM_PROMPTS = [
+    "Be terse.",
+    "You are a helpful assistant.",
+    "Answer briefly and politely.",
+    "You are a friendly assistant for a small company.",
+    "Keep answers short.",
+    "You help users with weather, math and files.",
+]
 DATE_START = 20089  # days since 1970-01-01 = 2025-01-01
 
 
@@ -157,6 +351,7 @@ class Conversation:
 
 # -- pieces ------------------------------------------------------------------------------
 
+
 def atem(name: str, arguments: dict[str, Any]) -> str:
     """MUSE_CHAT §2.1 ATEM rendering (string values only here)."""
     params = "".join(f'<atem:parameter name="{k}">{v}</atem:parameter>\n' for k, v in arguments.items())
@@ -173,6 +368,7 @@ def answer_output(reasoning: str, answer: str) -> str:
 
 def _date(rng: random.Random) -> str:
     import datetime
+
     return (datetime.date(1970, 1, 1) + datetime.timedelta(days=DATE_START + rng.randrange(0, 730))).isoformat()
 
 
@@ -184,6 +380,7 @@ def _expression(rng: random.Random) -> str:
         if r < 0.85:
             return str(rng.randint(100, 9999))
         return f"{rng.randint(1, 99)}.{rng.randint(1, 9)}"
+
     ops = ["+", "-", "*", "/"]
     sp = rng.random() < 0.75
     j = (lambda a, o, b: f"{a} {o} {b}") if sp else (lambda a, o, b: f"{a}{o}{b}")
@@ -207,26 +404,54 @@ def _calc_value(expr: str) -> str:
 
 
 WEATHER_Q = [
-    "What's the weather in {c}?", "What is the weather like in {c} today?", "How's the weather in {c}?",
-    "Is it raining in {c}?", "weather {c}", "Tell me the current weather for {c}.",
-    "I'm flying to {c} tomorrow. What's the weather like there?", "Check the weather in {c} please.",
-    "Do I need an umbrella in {c} today?", "How warm is it in {c} right now?",
-    "Can you look up the weather in {c}?", "What's the temperature in {c}?",
+    "What's the weather in {c}?",
+    "What is the weather like in {c} today?",
+    "How's the weather in {c}?",
+    "Is it raining in {c}?",
+    "weather {c}",
+    "Tell me the current weather for {c}.",
+    "I'm flying to {c} tomorrow. What's the weather like there?",
+    "Check the weather in {c} please.",
+    "Do I need an umbrella in {c} today?",
+    "How warm is it in {c} right now?",
+    "Can you look up the weather in {c}?",
+    "What's the temperature in {c}?",
 ]
 WEATHER_Q_UNIT = [
-    "What's the weather in {c} in {u}?", "Temperature in {c} in {U}, please.",
-    "How hot is it in {c}? Give it in {u}.", "Check the weather in {c} ({u}).",
-    "Weather for {c} in {U}?", "Can you tell me the temperature in {c} in {u}?",
+    "What's the weather in {c} in {u}?",
+    "Temperature in {c} in {U}, please.",
+    "How hot is it in {c}? Give it in {u}.",
+    "Check the weather in {c} ({u}).",
+    "Weather for {c} in {U}?",
+    "Can you tell me the temperature in {c} in {u}?",
 ]
 CALC_Q = [
-    "What is {e}?", "Calculate {e}", "Compute {e} for me.", "What's {e}?", "Please evaluate {e}.",
-    "{e} = ?", "Can you work out {e}?", "How much is {e}?", "Use the calculator: {e}",
-    "I need the result of {e}.", "Quick math: {e}", "Solve {e}",
+    "What is {e}?",
+    "Calculate {e}",
+    "Compute {e} for me.",
+    "What's {e}?",
+    "Please evaluate {e}.",
+    "{e} = ?",
+    "Can you work out {e}?",
+    "How much is {e}?",
+    "Use the calculator: {e}",
+    "I need the result of {e}.",
+    "Quick math: {e}",
+    "Solve {e}",
 ]
 FILE_Q = [
-    "Show me the contents of {p}.", "Read {p}", "What's in {p}?", "Open the file {p} and tell me what it says.",
-    "Can you read {p} for me?", "cat {p}", "Print the file {p}.", "What does {p} contain?",
-    "Please read the file at {p}.", "Show {p}", "I need to see {p}.", "Load {p} and show it to me.",
+    "Show me the contents of {p}.",
+    "Read {p}",
+    "What's in {p}?",
+    "Open the file {p} and tell me what it says.",
+    "Can you read {p} for me?",
+    "cat {p}",
+    "Print the file {p}.",
+    "What does {p} contain?",
+    "Please read the file at {p}.",
+    "Show {p}",
+    "I need to see {p}.",
+    "Load {p} and show it to me.",
 ]
 
 # One reasoning per (tool, strength): strength is in the prompt, so the reasoning is predictable
@@ -237,36 +462,39 @@ CALL_REASONING = {
         "low": "Weather request: call get_weather.",
         "medium": "The user wants the current weather. I'll call get_weather.",
         "high": "The user is asking about the current weather in a city. The get_weather tool can answer "
-                "this, so I'll call it with that city.",
+        "this, so I'll call it with that city.",
     },
     "calculator": {
         "low": "Arithmetic: call calculator.",
         "medium": "The user wants an expression evaluated. I'll call calculator.",
         "high": "The user is asking for the value of an arithmetic expression. To get an exact result I'll "
-                "call the calculator tool with that expression.",
+        "call the calculator tool with that expression.",
     },
     "read_file": {
         "low": "File request: call read_file.",
         "medium": "The user wants to see a file. I'll call read_file.",
         "high": "The user is asking what a file contains. I can't see files directly, so I'll call "
-                "read_file with that path.",
+        "read_file with that path.",
     },
 }
 # Data version 3 (the default): the reasoning opens with the request type, so the first
 # reasoning word already decides the tool; the strength only lengthens the sentence.
 CALL_REASONING_V3 = {
-    "get_weather": {"low": "Weather request: call get_weather.",
-                    "medium": "Weather request: call get_weather with the city.",
-                    "high": "Weather request: call get_weather with the city the user named. "
-                            "It returns the current conditions."},
-    "calculator": {"low": "Arithmetic request: call calculator.",
-                   "medium": "Arithmetic request: call calculator with the expression.",
-                   "high": "Arithmetic request: call calculator with the expression the user wrote. "
-                           "It returns the exact value."},
-    "read_file": {"low": "File request: call read_file.",
-                  "medium": "File request: call read_file with the path.",
-                  "high": "File request: call read_file with the path the user gave. "
-                          "It returns the file's contents."},
+    "get_weather": {
+        "low": "Weather request: call get_weather.",
+        "medium": "Weather request: call get_weather with the city.",
+        "high": "Weather request: call get_weather with the city the user named. It returns the current conditions.",
+    },
+    "calculator": {
+        "low": "Arithmetic request: call calculator.",
+        "medium": "Arithmetic request: call calculator with the expression.",
+        "high": "Arithmetic request: call calculator with the expression the user wrote. It returns the exact value.",
+    },
+    "read_file": {
+        "low": "File request: call read_file.",
+        "medium": "File request: call read_file with the path.",
+        "high": "File request: call read_file with the path the user gave. It returns the file's contents.",
+    },
 }
 MISSING_REASONING_V3 = {
     "get_weather": "Weather request, but no get_weather tool is available, so I can't look it up.",
@@ -286,8 +514,9 @@ MISSING_REASONING = {
 }
 
 
-def _offered(rng: random.Random, need: str | None = None, exclude: str | None = None,
-             allow_none: bool = True) -> list[dict[str, Any]] | None:
+def _offered(
+    rng: random.Random, need: str | None = None, exclude: str | None = None, allow_none: bool = True
+) -> list[dict[str, Any]] | None:
     names = [n for n in TOOL_NAMES if n != exclude and n != need]
     rng.shuffle(names)
     k = rng.randint(0, len(names))
@@ -334,8 +563,12 @@ def _tool_result(rng: random.Random, tool: str, args: dict[str, Any]) -> tuple[s
         try:
             v = _calc_value(e)
         except (ZeroDivisionError, OverflowError):
-            return ("error: division by zero", "zero", f"{e} can't be evaluated: it divides by zero.",
-                    "calculator reported an error. I'll explain it.")
+            return (
+                "error: division by zero",
+                "zero",
+                f"{e} can't be evaluated: it divides by zero.",
+                "calculator reported an error. I'll explain it.",
+            )
         return v, v, f"{e} = {v}", RESULT_REASONING[tool]
     p = args["path"]
     if rng.random() < 0.1:
@@ -357,8 +590,9 @@ def _plain_turn(rng: random.Random, tools: list[dict[str, Any]] | None, strength
         q, a = rng.choice(FACTS)
         reasoning = "A simple question; no tool needed. I'll answer directly."
     else:
-        q = rng.choice(["What can you do?", "What tools do you have?", "Which tools can you use?",
-                        "How can you help me?"])
+        q = rng.choice(
+            ["What can you do?", "What tools do you have?", "Which tools can you use?", "How can you help me?"]
+        )
         names = [t["function"]["name"] for t in tools or []]
         if names:
             a = "I can help with questions and use these tools: " + ", ".join(names) + "."
@@ -384,8 +618,9 @@ def _call_id(rng: random.Random) -> str:
     return "call_" + "".join(rng.choice("0123456789abcdef") for _ in range(12))
 
 
-def _tool_round(rng: random.Random, tool: str, unseen: bool, strength: str,
-                version: int = DATA_VERSION) -> tuple[list[dict], dict, str, str, str]:
+def _tool_round(
+    rng: random.Random, tool: str, unseen: bool, strength: str, version: int = DATA_VERSION
+) -> tuple[list[dict], dict, str, str, str]:
     """History of one tool round trip: user, assistant call, tool result. Also returns the final
     answer's reasoning/answer/value for a tool_result target."""
     q, args, entity = _tool_request(rng, tool, unseen)
@@ -393,15 +628,20 @@ def _tool_round(rng: random.Random, tool: str, unseen: bool, strength: str,
     result, value, answer, r2 = _tool_result(rng, tool, args)
     msgs = [
         {"role": "user", "content": q},
-        {"role": "assistant", "content": None, "reasoning": _call_reasoning(rng, tool, entity, strength, version),
-         "tool_calls": [{"id": cid, "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning": _call_reasoning(rng, tool, entity, strength, version),
+            "tool_calls": [{"id": cid, "type": "function", "function": {"name": tool, "arguments": json.dumps(args)}}],
+        },
         {"role": "tool", "tool_call_id": cid, "content": result},
     ]
     return msgs, args, value, answer, r2
 
 
-def _history(rng: random.Random, tools: list[dict[str, Any]] | None, strength: str,
-             version: int = DATA_VERSION) -> list[dict[str, Any]]:
+def _history(
+    rng: random.Random, tools: list[dict[str, Any]] | None, strength: str, version: int = DATA_VERSION
+) -> list[dict[str, Any]]:
     """0-2 earlier complete exchanges (plain, or a tool round trip with an offered tool)."""
     out: list[dict[str, Any]] = []
     for _ in range(rng.choice([1, 1, 2])):
@@ -417,8 +657,16 @@ def _history(rng: random.Random, tools: list[dict[str, Any]] | None, strength: s
 
 # -- conversations -----------------------------------------------------------------------
 
-def make(rng: random.Random, kind: str, unseen: bool = False, tool: str | None = None,
-         history: bool | None = None, system: bool | None = None, version: int = DATA_VERSION) -> Conversation:
+
+def make(
+    rng: random.Random,
+    kind: str,
+    unseen: bool = False,
+    tool: str | None = None,
+    history: bool | None = None,
+    system: bool | None = None,
+    version: int = DATA_VERSION,
+) -> Conversation:
     strength = rng.choice(STRENGTHS)
     kwargs = {"current_date": _date(rng), "reasoning_strength": strength}
     tool = tool or rng.choice(TOOL_NAMES)
@@ -503,10 +751,23 @@ def tool_tasks(seed: int, n: int) -> list[Conversation]:
 
 if __name__ == "__main__":
     import sys
+
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     for i in range(int(sys.argv[2]) if len(sys.argv) > 2 else 4):
         c = example(seed, i)
-        print(json.dumps({"kind": c.kind, "messages": c.messages, "tools": [t["function"]["name"] for t in c.tools or []],
-                          "kwargs": c.kwargs, "target": c.target}, indent=1))
-    print(f"cities seen {len(SEEN_CITIES)} unseen {len(UNSEEN_CITIES)}; paths seen {len(SEEN_PATHS)} "
-          f"unseen {len(UNSEEN_PATHS)}")
+        print(
+            json.dumps(
+                {
+                    "kind": c.kind,
+                    "messages": c.messages,
+                    "tools": [t["function"]["name"] for t in c.tools or []],
+                    "kwargs": c.kwargs,
+                    "target": c.target,
+                },
+                indent=1,
+            )
+        )
+    print(
+        f"cities seen {len(SEEN_CITIES)} unseen {len(UNSEEN_CITIES)}; paths seen {len(SEEN_PATHS)} "
+        f"unseen {len(UNSEEN_PATHS)}"
+    )

@@ -58,11 +58,14 @@ class Corpus:
     def stats(self) -> dict:
         def nbytes(docs):
             return sum(len(t.encode("utf-8")) for _, t in docs)
+
         return {
             "python_version": self.python_version,
             "stdlib": str(self.root),
-            "train_files": len(self.train), "val_files": len(self.val),
-            "train_bytes": nbytes(self.train), "val_bytes": nbytes(self.val),
+            "train_files": len(self.train),
+            "val_files": len(self.val),
+            "train_bytes": nbytes(self.train),
+            "val_bytes": nbytes(self.val),
             "skipped_non_utf8": len(self.skipped),
         }
 
@@ -73,8 +76,7 @@ def list_files(root: Path | None = None) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = os.path.relpath(dirpath, root)
         parts = [] if rel_dir == "." else rel_dir.split(os.sep)
-        dirnames[:] = sorted(d for d in dirnames
-                             if d != "site-packages" and d not in TEST_DIRS and d != "__pycache__")
+        dirnames[:] = sorted(d for d in dirnames if d != "site-packages" and d not in TEST_DIRS and d != "__pycache__")
         if any(p in TEST_DIRS or p == "site-packages" for p in parts):
             continue
         for name in sorted(filenames):
@@ -103,8 +105,12 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 

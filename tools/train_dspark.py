@@ -40,10 +40,11 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_corpus as tc  # noqa: E402
+
 from musespark.layers.attention import AttentionContext  # noqa: E402
 from musespark.model.dspark import DSparkDraft  # noqa: E402
-from musespark.model.dspark_layers import attention_scores  # noqa: E402
 from musespark.model.dspark_config import DSparkConfig  # noqa: E402
+from musespark.model.dspark_layers import attention_scores  # noqa: E402
 from musespark.model.dspark_loader import load_draft, save_draft, target_forward_with_aux  # noqa: E402
 
 TARGET = ROOT / "src" / "musespark" / "models" / "musespark-tiny"
@@ -56,18 +57,38 @@ MASK_ID = 3  # <|end_header_id|>: never appears in code completion
 
 def draft_config(d_vocab: int, layers: int, ffn_mult: float = 4.0) -> DSparkConfig:
     return DSparkConfig(
-        target_layer_ids=LAYER_IDS, target_hidden_size=256, mask_token_id=MASK_ID, markov_rank=32,
-        enable_confidence_head=True, confidence_head_with_markov=True, sample_from_anchor=True, block_size=N,
-        vocab_size=4100, draft_vocab_size=d_vocab, hidden_size=256, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        ffn_dim_multiplier=ffn_mult, rms_norm_eps=1e-5, norm_affine=True, post_norm_affine=True,
-        residual_dtype="fp32", use_rope=True, rope_theta=10000.0, output_soft_cap_temp=20.0,
-        moe_is_enabled=False)
+        target_layer_ids=LAYER_IDS,
+        target_hidden_size=256,
+        mask_token_id=MASK_ID,
+        markov_rank=32,
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+        sample_from_anchor=True,
+        block_size=N,
+        vocab_size=4100,
+        draft_vocab_size=d_vocab,
+        hidden_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        ffn_dim_multiplier=ffn_mult,
+        rms_norm_eps=1e-5,
+        norm_affine=True,
+        post_norm_affine=True,
+        residual_dtype="fp32",
+        use_rope=True,
+        rope_theta=10000.0,
+        output_soft_cap_temp=20.0,
+        moe_is_enabled=False,
+    )
 
 
 # -- data ------------------------------------------------------------------------------------
 def make_prompts(docs: list[tuple[str, str]], count: int, seed: int) -> list[list[int]]:
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(TARGET / "tokenizer.json"))
     rng = random.Random(seed)
     encoded = [e.ids for e in tok.encode_batch([t for _, t in docs], add_special_tokens=False)]
@@ -76,7 +97,7 @@ def make_prompts(docs: list[tuple[str, str]], count: int, seed: int) -> list[lis
     for _ in range(count):
         ids = encoded[rng.randrange(len(encoded))]
         off = rng.randrange(len(ids) - PROMPT)
-        out.append([0] + ids[off:off + PROMPT - 1])
+        out.append([0] + ids[off : off + PROMPT - 1])
     return out
 
 
@@ -86,9 +107,11 @@ def collect(prompts: list[list[int]], batch: int = 16) -> tuple[torch.Tensor, to
     -> tokens [n, S] int64, aux [n, S, 3*256] bf16, fraction of generated tokens that equal the
     argmax of this pass's logits (a check that the aux pass is the generating model)."""
     from musespark import LLM, SamplingParams, load_model
+
     llm = LLM(str(TARGET), max_num_seqs=64, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=GEN, temperature=0, ignore_eos=True)
+    )
     del llm
     tokens = torch.tensor([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)])
     target = load_model(TARGET, dtype=torch.bfloat16)
@@ -96,12 +119,13 @@ def collect(prompts: list[list[int]], batch: int = 16) -> tuple[torch.Tensor, to
     aux = torch.empty(len(tokens), S, 256 * len(LAYER_IDS), dtype=torch.bfloat16)
     agree = total = 0
     for i in range(0, len(tokens), batch):
-        chunk = tokens[i:i + batch]
+        chunk = tokens[i : i + batch]
         b = len(chunk)
-        y, a = target_forward_with_aux(target, chunk.reshape(-1), torch.arange(S).repeat(b),
-                                       AttentionContext.for_prompts([S] * b), LAYER_IDS)
-        aux[i:i + b] = a.view(b, S, -1).to(torch.bfloat16)
-        pred = target.compute_logits(y.view(b, S, -1)[:, PROMPT - 1:-1].reshape(-1, y.shape[-1])).argmax(-1)
+        y, a = target_forward_with_aux(
+            target, chunk.reshape(-1), torch.arange(S).repeat(b), AttentionContext.for_prompts([S] * b), LAYER_IDS
+        )
+        aux[i : i + b] = a.view(b, S, -1).to(torch.bfloat16)
+        pred = target.compute_logits(y.view(b, S, -1)[:, PROMPT - 1 : -1].reshape(-1, y.shape[-1])).argmax(-1)
         agree += int((pred == chunk[:, PROMPT:].reshape(-1)).sum())
         total += pred.numel()
     return tokens, aux, agree / total
@@ -119,8 +143,17 @@ def cmd_data(args: argparse.Namespace) -> None:
     for split, docs, count, seed in jobs:
         tokens, aux, agree = collect(make_prompts(docs, count, seed))
         torch.save({"tokens": tokens, "aux": aux}, RUN / f"{split}.pt")
-        print(json.dumps({"split": split, "seqs": len(tokens), "aux_argmax_agreement": round(agree, 4),
-                          "minutes": round((time.time() - t0) / 60, 2)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "split": split,
+                    "seqs": len(tokens),
+                    "aux_argmax_agreement": round(agree, 4),
+                    "minutes": round((time.time() - t0) / 60, 2),
+                }
+            ),
+            flush=True,
+        )
 
 
 # -- model ------------------------------------------------------------------------------------
@@ -152,8 +185,9 @@ def init_draft(model: DSparkDraft, target_state: dict[str, torch.Tensor], d2t: t
         model.d2t.copy_(d2t)
 
 
-def packed_logits(model: DSparkDraft, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor,
-                  anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def packed_logits(
+    model: DSparkDraft, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Blocks at anchors [B, A] over sequences tokens [B, S] with aux [B, S, F] -> Markov
     logits [B, A, N, V_d] (teacher-forced), labels [B, A, N] (target ids), confidence."""
     B, S = tokens.shape
@@ -198,8 +232,14 @@ def chain(acc: torch.Tensor, start: int) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate(model: DSparkDraft, embed: torch.Tensor, tokens: torch.Tensor, aux: torch.Tensor,
-             t2d: torch.Tensor, markov: bool = True) -> dict:
+def evaluate(
+    model: DSparkDraft,
+    embed: torch.Tensor,
+    tokens: torch.Tensor,
+    aux: torch.Tensor,
+    t2d: torch.Tensor,
+    markov: bool = True,
+) -> dict:
     """Simulated greedy speculative decoding on held-out sequences, from the first generated
     token (anchor position PROMPT) while a whole block of labels exists."""
     anchors = torch.arange(PROMPT, tokens.shape[1] - N)
@@ -208,15 +248,19 @@ def evaluate(model: DSparkDraft, embed: torch.Tensor, tokens: torch.Tensor, aux:
     if not markov:
         model.markov_head.markov_w2.weight.zero_()
     for i in range(0, len(tokens), 4):
-        tk, ax = tokens[i:i + 4], aux[i:i + 4]
+        tk, ax = tokens[i : i + 4], aux[i : i + 4]
         logits, labels, _ = packed_logits(model, embed, tk, ax, anchors.expand(len(tk), -1).contiguous())
         for row in acceptance(logits, labels, t2d):
             steps += chain(row, PROMPT)
     model.markov_head.markov_w2.weight.copy_(saved)
     acc = torch.tensor(steps, dtype=torch.float)
     per_pos = [round(float((acc > k).float().mean()), 4) for k in range(N)]
-    return {"steps": len(steps), "mean_accepted": round(float(acc.mean()), 4),
-            "tokens_per_step": round(float(acc.mean()) + 1, 4), "accept_rate_by_position": per_pos}
+    return {
+        "steps": len(steps),
+        "mean_accepted": round(float(acc.mean()), 4),
+        "tokens_per_step": round(float(acc.mean()) + 1, 4),
+        "accept_rate_by_position": per_pos,
+    }
 
 
 def load_split(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,6 +270,7 @@ def load_split(name: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def target_tensors() -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
+
     return load_file(str(TARGET / "model.safetensors"))
 
 
@@ -251,8 +296,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     decay, no_wd = [], []
     for name, p in model.named_parameters():
         (decay if p.ndim == 2 and "markov_w1" not in name else no_wd).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_wd, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_wd, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95)
+    )
     step, history, elapsed0 = 0, [], 0.0
     state_path = RUN / "state.pt"
     if args.resume and state_path.exists():
@@ -265,9 +311,17 @@ def cmd_train(args: argparse.Namespace) -> None:
     t0 = time.time()
 
     def save() -> None:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "history": json.dumps(history), "elapsed": elapsed0 + time.time() - t0,
-                    "args": json.dumps(vars(args))}, state_path)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "history": json.dumps(history),
+                "elapsed": elapsed0 + time.time() - t0,
+                "args": json.dumps(vars(args)),
+            },
+            state_path,
+        )
 
     model.train()
     while step < args.steps:
@@ -276,10 +330,18 @@ def cmd_train(args: argparse.Namespace) -> None:
             break
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         rows = torch.randint(len(tokens), (args.batch,), generator=g)
-        anchors = torch.stack([torch.randperm(tokens.shape[1] - N - PROMPT + 1, generator=g)[:args.anchors]
-                               for _ in rows]).sort(-1).values + PROMPT - 1
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (
-            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
+        anchors = (
+            torch.stack([torch.randperm(tokens.shape[1] - N - PROMPT + 1, generator=g)[: args.anchors] for _ in rows])
+            .sort(-1)
+            .values
+            + PROMPT
+            - 1
+        )
+        lr = (
+            args.lr
+            * min(1.0, (step + 1) / args.warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
+        )
         for group in opt.param_groups:
             group["lr"] = lr
         logits, labels, conf = packed_logits(model, embed, tokens[rows], aux[rows].float(), anchors)
@@ -297,12 +359,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         step += 1
         if step % args.log_every == 0 or step == args.steps:
             bce_v = float(bce.detach()) if torch.is_tensor(bce) else bce
-            rec = {"step": step, "loss": round(loss.item(), 4), "bce": round(bce_v, 4),
-                   "acc_pos": [round(float(x), 3) for x in hit.mean((0, 1))],
-                   "lr": round(lr, 6), "minutes": round((elapsed0 + time.time() - t0) / 60, 2)}
+            rec = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "bce": round(bce_v, 4),
+                "acc_pos": [round(float(x), 3) for x in hit.mean((0, 1))],
+                "lr": round(lr, 6),
+                "minutes": round((elapsed0 + time.time() - t0) / 60, 2),
+            }
             if step % args.eval_every == 0 or step == args.steps:
                 model.eval()
-                rec["val"] = evaluate(model, embed, vtok[:args.eval_seqs], vaux[:args.eval_seqs].float(), t2d)
+                rec["val"] = evaluate(model, embed, vtok[: args.eval_seqs], vaux[: args.eval_seqs].float(), t2d)
                 model.train()
             history.append(rec)
             print(json.dumps(rec), flush=True)
@@ -323,17 +390,26 @@ def cmd_export(args: argparse.Namespace) -> None:
     embed = tstate["model.language_model.embed_tokens.weight"]  # bf16, as served
     vtok, vaux = load_split("val")
     t2d = inverse_vocab(draft.d2t)
-    res = {"bf16": evaluate(draft, embed, vtok, vaux, t2d),
-           "bf16_no_markov": evaluate(draft, embed, vtok, vaux, t2d, markov=False),
-           "draft_vocab_coverage_val": round(float((t2d[vtok[:, PROMPT:]] >= 0).float().mean()), 4),
-           "train_steps": st["step"], "train_minutes": round(st["elapsed"] / 60, 1),
-           "history_last": json.loads(st["history"])[-1:], "args": targs | {"val_seqs": len(vtok)},
-           "params": sum(p.numel() for p in draft.parameters()),
-           "data_files": {name: len(torch.load(RUN / f"{name}.pt", weights_only=True, mmap=True)["tokens"])
-                          for name in targs.get("data", "train").split(",")},
-           "data_minutes": sum(json.loads([x for x in (RUN / log).read_text().splitlines() if x.startswith("{")][-1])
-                               ["minutes"] for log in ("data.log",) if (RUN / log).exists()),
-           "checkpoint_bytes": (OUT / "model.safetensors").stat().st_size}
+    res = {
+        "bf16": evaluate(draft, embed, vtok, vaux, t2d),
+        "bf16_no_markov": evaluate(draft, embed, vtok, vaux, t2d, markov=False),
+        "draft_vocab_coverage_val": round(float((t2d[vtok[:, PROMPT:]] >= 0).float().mean()), 4),
+        "train_steps": st["step"],
+        "train_minutes": round(st["elapsed"] / 60, 1),
+        "history_last": json.loads(st["history"])[-1:],
+        "args": targs | {"val_seqs": len(vtok)},
+        "params": sum(p.numel() for p in draft.parameters()),
+        "data_files": {
+            name: len(torch.load(RUN / f"{name}.pt", weights_only=True, mmap=True)["tokens"])
+            for name in targs.get("data", "train").split(",")
+        },
+        "data_minutes": sum(
+            json.loads([x for x in (RUN / log).read_text().splitlines() if x.startswith("{")][-1])["minutes"]
+            for log in ("data.log",)
+            if (RUN / log).exists()
+        ),
+        "checkpoint_bytes": (OUT / "model.safetensors").stat().st_size,
+    }
     (RUN / "export.json").write_text(json.dumps(res, indent=1))
     (OUT / "README.md").write_text(card(res, cfg))
     print(json.dumps(res))
@@ -355,8 +431,10 @@ def card(res: dict, cfg: DSparkConfig) -> str:
     data_desc = " + ".join(f"{n} (runs/dspark/{f}.pt)" for f, n in res["data_files"].items())
     data_minutes = res["data_minutes"]
     ev, nm = res["bf16"], res["bf16_no_markov"]
-    rows = "\n".join(f"| {k + 1} | {r:.3f} | {m:.3f} |" for k, (r, m) in
-                     enumerate(zip(ev["accept_rate_by_position"], nm["accept_rate_by_position"])))
+    rows = "\n".join(
+        f"| {k + 1} | {r:.3f} | {m:.3f} |"
+        for k, (r, m) in enumerate(zip(ev["accept_rate_by_position"], nm["accept_rate_by_position"]))
+    )
     bench_path = RUN / "bench.json"
     bench = ""
     if bench_path.exists():
@@ -366,17 +444,17 @@ def card(res: dict, cfg: DSparkConfig) -> str:
 
 `benchmarks/dspark.py` (both loops drive the bf16 target through a paged KV cache one request at a
 time: plain = one target forward per token; dspark = draft + one target forward over the anchor and
-{b['num_speculative_tokens']} drafts per step, greedy acceptance, no engine): {b['prompts']} held-out code prompts,
-{b['new_tokens']} new tokens each (prompt seed {b['seed']}: other prompts than the simulation above, and
-acceptance varies with the prompt), {b['machine']['threads']} torch thread on {b['machine']['cpu_count']} shared CPU cores.
+{b["num_speculative_tokens"]} drafts per step, greedy acceptance, no engine): {b["prompts"]} held-out code prompts,
+{b["new_tokens"]} new tokens each (prompt seed {b["seed"]}: other prompts than the simulation above, and
+acceptance varies with the prompt), {b["machine"]["threads"]} torch thread on {b["machine"]["cpu_count"]} shared CPU cores.
 
 | | |
 |---|---|
-| plain decode | {b['plain_tok_s']} tokens/s |
-| dspark | {b['dspark_tok_s']} tokens/s (**{b['speedup']}x**) |
-| outputs identical to plain greedy | {b['identical_outputs']} |
-| mean accepted drafts per step (real proposer, incremental) | {b['mean_accepted']} of {b['num_speculative_tokens']} |
-| acceptance rate by draft position | {', '.join(f'{x:.2f}' for x in b['accept_rate_by_position'])} |
+| plain decode | {b["plain_tok_s"]} tokens/s |
+| dspark | {b["dspark_tok_s"]} tokens/s (**{b["speedup"]}x**) |
+| outputs identical to plain greedy | {b["identical_outputs"]} |
+| mean accepted drafts per step (real proposer, incremental) | {b["mean_accepted"]} of {b["num_speculative_tokens"]} |
+| acceptance rate by draft position | {", ".join(f"{x:.2f}" for x in b["accept_rate_by_position"])} |
 
 At this size a one-row target forward is well under a millisecond, so what a speculative step
 costs is the 8-row verification forward (~2.5x a one-row decode on this CPU backend) plus the
@@ -396,10 +474,10 @@ config (method `dspark`, this directory as the draft model) or `DSparkProposer.l
 | FFN | SwiGLU, intermediate {cfg.intermediate_size} (ffn_dim_multiplier {cfg.ffn_dim_multiplier}) |
 | target_layer_ids | {list(cfg.target_layer_ids)} (fc input {len(cfg.target_layer_ids)} x {cfg.target_hidden_size}) |
 | block | num_speculative_tokens {cfg.block_size}: anchor + {cfg.block_size - 1} masks (mask_token_id {cfg.mask_token_id}), sample_from_anchor |
-| draft vocabulary | {cfg.d_vocab} target ids (d2t), covering {res['draft_vocab_coverage_val'] * 100:.2f}% of held-out greedy tokens |
+| draft vocabulary | {cfg.d_vocab} target ids (d2t), covering {res["draft_vocab_coverage_val"] * 100:.2f}% of held-out greedy tokens |
 | Markov head | rank {cfg.markov_rank}; confidence head with Markov input |
 | norms / residual / RoPE | affine RMSNorms (gain = w), plain residual adds in fp32, interleaved RoPE theta {cfg.rope_theta:g}, logits soft-capped at {cfg.output_soft_cap_temp:g} |
-| parameters / file | {res['params']:,} / {res['checkpoint_bytes'] / 1e6:.1f} MB (bf16, confidence head fp32, d2t int64) |
+| parameters / file | {res["params"]:,} / {res["checkpoint_bytes"] / 1e6:.1f} MB (bf16, confidence head fp32, d2t int64) |
 
 ## Training
 
@@ -413,29 +491,29 @@ Data: {data_desc} code prompts (BOS + 63 tokens at a seeded random offset of a C
 the training split, `tools/tiny_corpus.py`), each continued by the bf16 target greedily for 192 tokens
 (EOS ignored) through musespark's engine; one target pass per sequence gave the fp32 stream after layers
 {list(cfg.target_layer_ids)} (stored bf16, which is what the draft's `fc` sees when serving a bf16 target).
-Data generation took {data_minutes:.1f} min. Training: fp32, 1 torch thread, seed {a['seed']}, AdamW (beta
-0.9/0.95, wd 0.01 on matrices), peak lr {a['lr']:g}, {a['warmup']} warmup steps, cosine decay to 10% (the
-schedule of the last command's --steps), grad clip 1.0, batch {a['batch']} sequences x {a['anchors']} random
+Data generation took {data_minutes:.1f} min. Training: fp32, 1 torch thread, seed {a["seed"]}, AdamW (beta
+0.9/0.95, wd 0.01 on matrices), peak lr {a["lr"]:g}, {a["warmup"]} warmup steps, cosine decay to 10% (the
+schedule of the last command's --steps), grad clip 1.0, batch {a["batch"]} sequences x {a["anchors"]} random
 anchors, each block seeing the context K/V of the positions before its anchor and itself causally (one
 packed mask). Loss: cross-entropy of the Markov-head logits (teacher-forced on the previous greedy token)
-against the target's greedy tokens, block position k weighted {a['decay']:g}^k, plus 0.1 x BCE for the
+against the target's greedy tokens, block position k weighted {a["decay"]:g}^k, plus 0.1 x BCE for the
 confidence head (target: the position's argmax is right). Init: lm_head = the target's head rows (draft
 vocabulary: the {cfg.d_vocab} most frequent ids of the first training file) x its output multiplier, final norm
-= the target's. {res['train_steps']} steps in {res['train_minutes']} min of training on 2 CPU cores shared with
-other work: {data_minutes + res['train_minutes']:.0f} min in all with the data.
+= the target's. {res["train_steps"]} steps in {res["train_minutes"]} min of training on 2 CPU cores shared with
+other work: {data_minutes + res["train_minutes"]:.0f} min in all with the data.
 
 ## Acceptance
 
-Greedy speculative decoding simulated on {a['val_seqs']} held-out code prompts (validation split, seed
-{a['seed'] + 1000}), from the first generated token while a whole block of target tokens exists: each step
+Greedy speculative decoding simulated on {a["val_seqs"]} held-out code prompts (validation split, seed
+{a["seed"] + 1000}), from the first generated token while a whole block of target tokens exists: each step
 drafts {cfg.block_size} tokens from the context before the anchor, accepts the longest prefix equal to the
 target's greedy tokens, and moves on by accepted + 1. Shipped bf16 weights, bf16 target features.
-{ev['steps']} steps.
+{ev["steps"]} steps.
 
 | | with Markov head | Markov head zeroed |
 |---|---|---|
-| mean accepted drafts per step (of {cfg.block_size}) | **{ev['mean_accepted']:.2f}** | {nm['mean_accepted']:.2f} |
-| mean tokens per step (accepted + 1) | {ev['tokens_per_step']:.2f} | {nm['tokens_per_step']:.2f} |
+| mean accepted drafts per step (of {cfg.block_size}) | **{ev["mean_accepted"]:.2f}** | {nm["mean_accepted"]:.2f} |
+| mean tokens per step (accepted + 1) | {ev["tokens_per_step"]:.2f} | {nm["tokens_per_step"]:.2f} |
 
 | draft position | P(accepted) | without Markov |
 |---|---|---|

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_corpus as tc  # noqa: E402
+
 from musespark.config import ModelConfig  # noqa: E402
 from musespark.layers.attention import AttentionContext  # noqa: E402
 from musespark.model.muse_spark import MuseSparkForCausalLM  # noqa: E402
@@ -43,12 +44,23 @@ LN2 = math.log(2.0)
 
 def model_config(vocab_size: int, bos: int, eos: int) -> ModelConfig:
     return ModelConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
         mlp_layer_types=("dense", "sparse", "sparse", "sparse", "sparse", "sparse"),
-        moe_hidden_size=128, moe_intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
-        sliding_window=128, rope_theta=10000.0,  # default layer_types / layer_rope_theta (NoPE on full layers)
-        bos_token_id=bos, eos_token_id=(eos,), max_position_embeddings=4096,
+        moe_hidden_size=128,
+        moe_intermediate_size=256,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=128,
+        rope_theta=10000.0,  # default layer_types / layer_rope_theta (NoPE on full layers)
+        bos_token_id=bos,
+        eos_token_id=(eos,),
+        max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
 
@@ -98,6 +110,7 @@ class LoadRecorder:
         def hook(module, inputs, output):
             ids = output[1].detach().reshape(-1).cpu()
             self.counts[i] += torch.bincount(ids, minlength=self.E)
+
         return hook
 
     def reset(self) -> None:
@@ -134,10 +147,15 @@ def prepare_data(run: Path, vocab_size: int) -> dict:
     np.save(run / "train_ids.npy", train_ids)
     np.save(run / "val_ids.npy", val_ids)
     meta = corpus.stats()
-    meta.update(train_tokens=int(train_ids.size), val_tokens=int(val_ids.size),
-                vocab_size=tok.get_vocab_size(), val_file_list=[r for r, _ in corpus.val],
-                bos_token_id=tok.token_to_id(tc.BOS), eos_token_id=tok.token_to_id(tc.EOS),
-                prepare_seconds=round(time.time() - t0, 1))
+    meta.update(
+        train_tokens=int(train_ids.size),
+        val_tokens=int(val_ids.size),
+        vocab_size=tok.get_vocab_size(),
+        val_file_list=[r for r, _ in corpus.val],
+        bos_token_id=tok.token_to_id(tc.BOS),
+        eos_token_id=tok.token_to_id(tc.EOS),
+        prepare_seconds=round(time.time() - t0, 1),
+    )
     meta_path.write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -145,7 +163,7 @@ def prepare_data(run: Path, vocab_size: int) -> dict:
 def get_batch(stream: torch.Tensor, step: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, stream.numel() - seq_len - 1, (batch,), generator=gen)
-    return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()]).long()
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()]).long()
 
 
 def forward_loss(model, x: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -162,7 +180,7 @@ def eval_windows(stream: torch.Tensor, seq_len: int, max_windows: int | None = N
     n = (stream.numel() - 1) // seq_len
     if max_windows is not None:
         n = min(n, max_windows)
-    return torch.stack([stream[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]).long()
+    return torch.stack([stream[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]).long()
 
 
 @torch.no_grad()
@@ -174,7 +192,7 @@ def bits_per_byte(model, windows: torch.Tensor, byte_len: torch.Tensor, batch: i
     model.eval()
     nats, nbytes, ntok = 0.0, 0, 0
     for i in range(0, windows.shape[0], batch):
-        x = windows[i:i + batch]
+        x = windows[i : i + batch]
         nats += float(forward_loss(model, x, reduction="sum"))
         nbytes += int(byte_len[x[:, 1:]].sum())
         ntok += x[:, 1:].numel()
@@ -182,8 +200,9 @@ def bits_per_byte(model, windows: torch.Tensor, byte_len: torch.Tensor, batch: i
     return nats / LN2 / nbytes, nats / ntok
 
 
-def unigram_bits_per_byte(train_stream: torch.Tensor, windows: torch.Tensor, byte_len: torch.Tensor,
-                          vocab: int) -> tuple[float, float]:
+def unigram_bits_per_byte(
+    train_stream: torch.Tensor, windows: torch.Tensor, byte_len: torch.Tensor, vocab: int
+) -> tuple[float, float]:
     """Unigram baseline: the training split's token distribution (add-one smoothed)
     scored on the same predicted tokens as `bits_per_byte`."""
     counts = torch.bincount(train_stream.long(), minlength=vocab).double() + 1.0
@@ -202,8 +221,17 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
 
 def save_state(path: Path, model, opt, step: int, history: list, args, sessions: list) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "history": history, "args": vars(args), "sessions": sessions}, tmp)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "step": step,
+            "history": history,
+            "args": vars(args),
+            "sessions": sessions,
+        },
+        tmp,
+    )
     tmp.replace(path)
 
 
@@ -219,9 +247,12 @@ def train(args) -> None:
     print(f"params: total {total:,}  active/token {active:,}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     state_path = run / "state.pt"
     step, history, sessions = 0, [], []
     if args.resume and state_path.exists():
@@ -242,6 +273,7 @@ def train(args) -> None:
     model.train()
     rec = LoadRecorder(model)
     from tqdm import tqdm
+
     bar = tqdm(total=args.steps, initial=step, dynamic_ncols=True, mininterval=2.0)
     tokens_per_step = args.batch * args.seq_len
     t_start = time.time()
@@ -271,15 +303,23 @@ def train(args) -> None:
         tps = steps_since * tokens_per_step / max(1e-9, now - t_last)
         bar.update(1)
         bar.set_postfix(loss=f"{lv:.3f}", ema=f"{ema:.3f}", tok_s=f"{tps:.0f}", lr=f"{lr:.2e}")
-        rec_entry = {"step": step, "loss": lv, "lr": lr, "gnorm": gnorm, "tok_s": tps,
-                     "elapsed": elapsed_before + now - t_start}
+        rec_entry = {
+            "step": step,
+            "loss": lv,
+            "lr": lr,
+            "gnorm": gnorm,
+            "tok_s": tps,
+            "elapsed": elapsed_before + now - t_start,
+        }
         if step % args.eval_every == 0 or step == args.steps:
             bpb, npt = bits_per_byte(model, val_win, byte_len)
             loads = {i: (rec.counts[i].float() / rec.counts[i].sum()).min().item() for i in rec.layers}
             rec_entry.update(val_bpb=bpb, val_nats_per_token=npt, min_batch_load=min(loads.values()))
-            tqdm.write(f"step {step}: train loss {lv:.3f} (ema {ema:.3f}) val {bpb:.4f} bits/byte "
-                       f"({npt:.3f} nats/tok), min expert load in batch {min(loads.values()):.3f}, "
-                       f"{tps:.0f} tok/s")
+            tqdm.write(
+                f"step {step}: train loss {lv:.3f} (ema {ema:.3f}) val {bpb:.4f} bits/byte "
+                f"({npt:.3f} nats/tok), min expert load in batch {min(loads.values()):.3f}, "
+                f"{tps:.0f} tok/s"
+            )
             t_last, steps_since = time.time(), 0
         history.append(rec_entry)
         if step % args.save_every == 0 or step == args.steps:
@@ -305,8 +345,12 @@ def calibrate_bias(model, run: Path, args) -> dict:
         before = mins if before is None else before
         update_router_bias(model, rec, args.calibrate_bias_rate)
     rec.remove()
-    info = {"steps": args.calibrate_bias_steps, "rate": args.calibrate_bias_rate,
-            "batch_min_load_first": before, "batch_min_load_last": mins}
+    info = {
+        "steps": args.calibrate_bias_steps,
+        "rate": args.calibrate_bias_rate,
+        "batch_min_load_first": before,
+        "batch_min_load_last": mins,
+    }
     print(f"router bias calibration: {info}", flush=True)
     return info
 
@@ -335,9 +379,15 @@ def export(args) -> None:
     tok = Tokenizer.from_file(str(run / "tokenizer.json"))
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tc.tokenizer_config(cfg.max_position_embeddings), indent=2))
-    gen_cfg = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id[0],
-               "pad_token_id": cfg.eos_token_id[0], "do_sample": True, "temperature": 0.7, "top_p": 0.95,
-               "max_new_tokens": 256}
+    gen_cfg = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id[0],
+        "pad_token_id": cfg.eos_token_id[0],
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "max_new_tokens": 256,
+    }
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
 
     if args.files_only:
@@ -371,13 +421,19 @@ def export(args) -> None:
     tps = [h["tok_s"] for h in hist if "val_bpb" in h]
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     results = {
-        "params_total": total, "params_active_per_token": active,
-        "val_bits_per_byte": val_bpb, "val_nats_per_token": val_npt,
-        "train_bits_per_byte": train_bpb, "train_nats_per_token": train_npt,
-        "unigram_val_bits_per_byte": uni_bpb, "unigram_val_nats_per_token": uni_npt,
+        "params_total": total,
+        "params_active_per_token": active,
+        "val_bits_per_byte": val_bpb,
+        "val_nats_per_token": val_npt,
+        "train_bits_per_byte": train_bpb,
+        "train_nats_per_token": train_npt,
+        "unigram_val_bits_per_byte": uni_bpb,
+        "unigram_val_nats_per_token": uni_npt,
         "expert_load": {str(k): v for k, v in loads.items()},
         "min_expert_load": min(min(v) for v in loads.values()),
-        "steps": st["step"], "train_args": st["args"], "val_tokens_scored": int(val_win[:, 1:].numel()),
+        "steps": st["step"],
+        "train_args": st["args"],
+        "val_tokens_scored": int(val_win[:, 1:].numel()),
         "val_bytes_scored": int(byte_len[val_win[:, 1:]].sum()),
         "train_loss_last50_nats_per_token": train_loss_nats,
     }
@@ -388,33 +444,44 @@ def export(args) -> None:
     sessions = st.get("sessions") or [{"start_step": 0, "args": a}]
 
     def command(sa: dict, resume: bool) -> str:
-        return (f".venv/bin/python tools/train_tiny.py --steps {sa['steps']} --seq-len {sa['seq_len']} "
-                f"--batch {sa['batch']} --lr {sa['lr']} --bias-rate {sa['bias_rate']} --seed {sa['seed']}"
-                + (f" --time-limit {sa['time_limit']:g}" if sa.get("time_limit") else "")
-                + (" --resume" if resume else "") + " --no-export")
+        return (
+            f".venv/bin/python tools/train_tiny.py --steps {sa['steps']} --seq-len {sa['seq_len']} "
+            f"--batch {sa['batch']} --lr {sa['lr']} --bias-rate {sa['bias_rate']} --seed {sa['seed']}"
+            + (f" --time-limit {sa['time_limit']:g}" if sa.get("time_limit") else "")
+            + (" --resume" if resume else "")
+            + " --no-export"
+        )
+
     session_ends = [x["start_step"] for x in sessions[1:]] + [st["step"]]
-    cmd = "\n".join(f"# steps {x['start_step']}-{end}\n" + command(x["args"], x["start_step"] > 0)
-                    for x, end in zip(sessions, session_ends))
-    calib_flag = (f" --calibrate-bias-steps {calibration['steps']} --calibrate-bias-rate {calibration['rate']:g}"
-                  if calibration else "")
+    cmd = "\n".join(
+        f"# steps {x['start_step']}-{end}\n" + command(x["args"], x["start_step"] > 0)
+        for x, end in zip(sessions, session_ends)
+    )
+    calib_flag = (
+        f" --calibrate-bias-steps {calibration['steps']} --calibrate-bias-rate {calibration['rate']:g}"
+        if calibration
+        else ""
+    )
     cmd += f"\n.venv/bin/python tools/train_tiny.py --export-only{calib_flag}   # writes src/musespark/models/musespark-tiny + this card"
     bias_rates = ", ".join(f"{x['args']['bias_rate']:g} (from step {x['start_step']})" for x in sessions)
     load_rows = "\n".join(
-        f"| {i} | " + " | ".join(f"{100 * x:.1f}" for x in v) + f" | {100 * min(v):.1f} |"
-        for i, v in loads.items())
+        f"| {i} | " + " | ".join(f"{100 * x:.1f}" for x in v) + f" | {100 * min(v):.1f} |" for i, v in loads.items()
+    )
     E = cfg.num_local_experts
-    sample_md = "\n\n".join(
-        f"Prompt `{json.dumps(p)}` →\n\n```python\n{p}{c}\n```" for p, c in samples)
+    sample_md = "\n\n".join(f"Prompt `{json.dumps(p)}` →\n\n```python\n{p}{c}\n```" for p, c in samples)
     calib_md = ""
     if calibration:
-        calib_md = (f"After training, the router biases were settled by {calibration['steps']} forward-only "
-                    f"steps of the same sign update (rate {calibration['rate']:g}) on training-split batches "
-                    f"(`--calibrate-bias-steps`); min expert share in a batch went from "
-                    f"{100 * calibration['batch_min_load_first']:.1f}% to {100 * calibration['batch_min_load_last']:.1f}%. "
-                    "No weights changed.\n\n")
+        calib_md = (
+            f"After training, the router biases were settled by {calibration['steps']} forward-only "
+            f"steps of the same sign update (rate {calibration['rate']:g}) on training-split batches "
+            f"(`--calibrate-bias-steps`); min expert share in a batch went from "
+            f"{100 * calibration['batch_min_load_first']:.1f}% to {100 * calibration['batch_min_load_last']:.1f}%. "
+            "No weights changed.\n\n"
+        )
         results["bias_calibration"] = calibration
         (run / "results.json").write_text(json.dumps(results, indent=2))
-    readme = f"""# musespark-tiny
+    readme = (
+        f"""# musespark-tiny
 
 A tiny Muse Spark 1x text decoder trained from scratch on the Python standard library,
 bundled with `musespark` as its default/demo model. It exercises every feature of the
@@ -440,22 +507,22 @@ Loads with `musespark.load_model("src/musespark/models/musespark-tiny")` and wit
 | mlp_layer_types | {", ".join(cfg.mlp_layer_types)} |
 | dense SwiGLU | intermediate {cfg.intermediate_size} |
 | MoE | {E} experts, top-{cfg.num_experts_per_tok}, moe_hidden {cfg.moe_hidden_size}, moe_intermediate {cfg.moe_intermediate_size} |
-| max_position_embeddings | {cfg.max_position_embeddings} (trained on {a['seq_len']}-token windows) |
+| max_position_embeddings | {cfg.max_position_embeddings} (trained on {a["seq_len"]}-token windows) |
 | bos / eos | {cfg.bos_token_id} `{tc.BOS}` / {cfg.eos_token_id[0]} `{tc.EOS}` |
 | parameters | {total:,} total, {active:,} active per token |
 
 ## Corpus
 
-The `*.py` files of the CPython {meta['python_version']} standard library
-(`{meta['stdlib']}`), excluding `site-packages` and test directories
-({", ".join(sorted(tc.TEST_DIRS))}); {meta['skipped_non_utf8']} non-UTF-8 files skipped.
+The `*.py` files of the CPython {meta["python_version"]} standard library
+(`{meta["stdlib"]}`), excluding `site-packages` and test directories
+({", ".join(sorted(tc.TEST_DIRS))}); {meta["skipped_non_utf8"]} non-UTF-8 files skipped.
 A deterministic ~{tc.VALIDATION_PERCENT}% of files is held out for validation
 (sha256 of the path relative to the stdlib root, mod 100 < {tc.VALIDATION_PERCENT}).
 
 | split | files | bytes | tokens |
 |---|---|---|---|
-| train | {meta['train_files']} | {meta['train_bytes']:,} | {meta['train_tokens']:,} |
-| validation | {meta['val_files']} | {meta['val_bytes']:,} | {meta['val_tokens']:,} |
+| train | {meta["train_files"]} | {meta["train_bytes"]:,} | {meta["train_tokens"]:,} |
+| validation | {meta["val_files"]} | {meta["val_bytes"]:,} | {meta["val_tokens"]:,} |
 
 Each file is one document: `<|begin_of_text|>` + tokens + `<|end_of_text|>`, concatenated.
 
@@ -474,11 +541,11 @@ using the header tokens. No BOS is added automatically; prepend `{tc.BOS}` yours
 ```
 
 `tools/train_tiny.py` uses musespark's own model code with autograd (no transformers):
-fp32, AdamW (β 0.9/0.95, weight decay {a['weight_decay']} on matrices), peak lr {a['lr']},
-{a['warmup']} warmup steps then cosine to 10%, grad clip {a['clip']},
-batch {a['batch']} × {a['seq_len']} tokens, {st['step']} steps
-({st['step'] * a['batch'] * a['seq_len']:,} tokens, {st['step'] * a['batch'] * a['seq_len'] / meta['train_tokens']:.2f} epochs),
-seed {a['seed']}, deterministic data order, resumable (`--resume`).
+fp32, AdamW (β 0.9/0.95, weight decay {a["weight_decay"]} on matrices), peak lr {a["lr"]},
+{a["warmup"]} warmup steps then cosine to 10%, grad clip {a["clip"]},
+batch {a["batch"]} × {a["seq_len"]} tokens, {st["step"]} steps
+({st["step"] * a["batch"] * a["seq_len"]:,} tokens, {st["step"] * a["batch"] * a["seq_len"] / meta["train_tokens"]:.2f} epochs),
+seed {a["seed"]}, deterministic data order, resumable (`--resume`).
 Routers are balanced without an auxiliary loss: after each step every sparse layer's
 `e_score_correction_bias` moves by rate × sign(mean load − expert load), rate {bias_rates}
 (the first session's 1e-3 let the bias lag the router's learning — min expert load 0.2% of a batch
@@ -490,8 +557,8 @@ at step 100 — so the run was resumed with a larger rate).
 
 Measured on the shipped bfloat16 weights (loaded in float32). Bits per byte = total
 nats / ln 2 / total UTF-8 bytes of the scored tokens, scored in non-overlapping
-{a['seq_len']}-token windows ({results['val_tokens_scored']:,} validation tokens,
-{results['val_bytes_scored']:,} bytes).
+{a["seq_len"]}-token windows ({results["val_tokens_scored"]:,} validation tokens,
+{results["val_bytes_scored"]:,} bytes).
 
 | | bits/byte | nats/token |
 |---|---|---|
@@ -503,11 +570,15 @@ Final training loss (mean of the last 50 steps): {train_loss_nats:.3f} nats/toke
 
 ### Expert load on the validation split (% of routed tokens)
 
-| layer | """ + " | ".join(f"e{e}" for e in range(E)) + """ | min |
-|---|""" + "---|" * (E + 1) + f"""
+| layer | """
+        + " | ".join(f"e{e}" for e in range(E))
+        + """ | min |
+|---|"""
+        + "---|" * (E + 1)
+        + f"""
 {load_rows}
 
-Minimum over all sparse layers: {100 * results['min_expert_load']:.1f}% (uniform would be {100 / E:.1f}%).
+Minimum over all sparse layers: {100 * results["min_expert_load"]:.1f}% (uniform would be {100 / E:.1f}%).
 
 ### Greedy samples
 
@@ -521,6 +592,7 @@ Greedy ({args.sample_tokens} new tokens, full recompute with `model.greedy_conti
 `generation_config.json`: sampling with temperature 0.7, top_p 0.95, max_new_tokens 256,
 eos {cfg.eos_token_id[0]}.
 """
+    )
     (out / "README.md").write_text(readme)
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"artifact: {out} ({size / 2**20:.2f} MiB with the card)")
@@ -538,8 +610,9 @@ def main() -> None:
     p.add_argument("--bias-rate", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=1,
-                   help="1 is fastest on a small shared CPU (2 threads spin against other load)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="1 is fastest on a small shared CPU (2 threads spin against other load)"
+    )
     p.add_argument("--time-limit", type=float, default=0.0, help="minutes; stop early (and save) past it")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--val-windows", type=int, default=32, help="windows for periodic validation")
@@ -550,8 +623,12 @@ def main() -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--export-only", action="store_true")
-    p.add_argument("--calibrate-bias-steps", type=int, default=0,
-                   help="export: forward-only router-bias balancing steps on training batches")
+    p.add_argument(
+        "--calibrate-bias-steps",
+        type=int,
+        default=0,
+        help="export: forward-only router-bias balancing steps on training batches",
+    )
     p.add_argument("--calibrate-bias-rate", type=float, default=2e-3)
     p.add_argument("--files-only", action="store_true", help="export: write the files, skip evaluation and card")
     args = p.parse_args()

@@ -20,7 +20,17 @@ _EXPORTS = {
     "MuseSparkForCausalLM": "musespark.model",
     "load_model": "musespark.model",
 }
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "ModelConfig",
+    "MuseSparkForCausalLM",
+    "load_model",
+    "__version__",
+]
+assert set(__all__) == {*_EXPORTS, "__version__"}
 
 if TYPE_CHECKING:
     from .config import ModelConfig

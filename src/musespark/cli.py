@@ -44,19 +44,34 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate completions for one or more prompts")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     EngineArgs.add_cli_args(p, skip={"seed"})
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens to generate per prompt (default: "
-                   f"the checkpoint's generation config, else {GENERATE_MAX_TOKENS})")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate per prompt (default: the checkpoint's generation config, else {GENERATE_MAX_TOKENS})",
+    )
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", dest="request_seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--chat-template", default=None, help="with --chat: a Jinja chat template file (or the "
-                   "template itself) replacing the checkpoint's")
-    p.add_argument("--tools", default=None, metavar="JSON|FILE",
-                   help="with --chat: OpenAI tool definitions, a JSON list or a file holding one")
-    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help="with --chat: extra template kwargs, a JSON object (e.g. '{\"reasoning_strength\": \"low\"}')")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="with --chat: a Jinja chat template file (or the template itself) replacing the checkpoint's",
+    )
+    p.add_argument(
+        "--tools",
+        default=None,
+        metavar="JSON|FILE",
+        help="with --chat: OpenAI tool definitions, a JSON list or a file holding one",
+    )
+    p.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help='with --chat: extra template kwargs, a JSON object (e.g. \'{"reasoning_strength": "low"}\')',
+    )
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -97,8 +112,9 @@ class _ChatPrinter:
     def __init__(self, tools: list | None) -> None:
         from .parsers import MuseOutputParser, tool_schemas_from_openai
 
-        self.parser = MuseOutputParser(reasoning=True, tools=bool(tools),
-                                       tool_names=tool_schemas_from_openai(tools) if tools else None)
+        self.parser = MuseOutputParser(
+            reasoning=True, tools=bool(tools), tool_names=tool_schemas_from_openai(tools) if tools else None
+        )
         self.section: str | None = None
 
     def _label(self, section: str) -> None:
@@ -128,8 +144,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     llm = LLM(**vars(EngineArgs.from_cli_args(args)), show_progress=True)
     processor = llm.engine.input_processor
     params = processor.default_sampling_params(
-        fallback_max_tokens=GENERATE_MAX_TOKENS, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.request_seed)
+        fallback_max_tokens=GENERATE_MAX_TOKENS,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.request_seed,
+    )
     template = load_chat_template(args.chat_template)
     template_kwargs = parse_template_kwargs(args.chat_template_kwargs, "--chat-template-kwargs")
     tools = normalize_tools(_load_tools(args.tools))
@@ -140,8 +161,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         if args.chat:
             if processor.tokenizer is None:
                 raise ValueError("--chat needs a model with a tokenizer and a chat template")
-            request = processor.render_chat([{"role": "user", "content": prompt}], chat_template=template,
-                                            chat_template_kwargs=template_kwargs, tools=tools)
+            request = processor.render_chat(
+                [{"role": "user", "content": prompt}],
+                chat_template=template,
+                chat_template_kwargs=template_kwargs,
+                tools=tools,
+            )
         else:
             request = prompt
         if len(args.prompts) > 1:
@@ -165,8 +190,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     stats = llm.engine.get_stats()
     if stats.num_speculative_tokens and stats.spec_num_drafts:
         mean = 1 + stats.spec_num_accepted_tokens / stats.spec_num_drafts
-        print(f"[speculative decoding: mean acceptance length {mean:.2f} over {stats.spec_num_drafts} drafts]",
-              file=sys.stderr, flush=True)
+        print(
+            f"[speculative decoding: mean acceptance length {mean:.2f} over {stats.spec_num_drafts} drafts]",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 
@@ -178,51 +206,123 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="MODEL, as a flag (vLLM's)")
     p.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=int, help="= --kv-cache-memory")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="must be MODEL (its tokenizer is used)")
-    p.add_argument("--trust-remote-code", action=EnableDisable, default=False,
-                   help="accepted (vLLM's); no checkpoint code is ever run")
+    p.add_argument(
+        "--trust-remote-code",
+        action=EnableDisable,
+        default=False,
+        help="accepted (vLLM's); no checkpoint code is ever run",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="extend", nargs="+", default=None, help="require 'Authorization: "
-                   "Bearer KEY' on /v1/*; several keys: any is accepted (default: $MUSESPARK_API_KEY)")
-    p.add_argument("--served-model-name", nargs="+", default=None, help="the model name clients send; "
-                   "several: the first is reported (default: MODEL as given, or the bundled model's directory name)")
-    p.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs / top_logprobs a request may ask for (-1: no limit of ours)")
-    p.add_argument("--override-generation-config", default=None, metavar="JSON", help="sampling defaults "
-                   "over the checkpoint's generation config, e.g. '{\"temperature\": 0.6, \"max_new_tokens\": 512}'")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or the template "
-                   "itself) replacing the checkpoint's (chat_template.jinja, else tokenizer_config.json's)")
-    p.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
-                   help="template kwargs for every chat request, a JSON object; a request's "
-                   "chat_template_kwargs and fields override them (e.g. '{\"reasoning_strength\": \"low\"}')")
-    p.add_argument("--reasoning-effort-map", default=None, metavar="JSON",
-                   help="a JSON object mapping reasoning_effort values (none, minimal, low, medium, high, xhigh, "
-                   "max) to the value the template receives as reasoning_effort and reasoning_strength "
-                   "(default: identity)")
-    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                   help="split reasoning channels into message.reasoning: muse (alias musespark1x)")
-    p.add_argument("--enable-auto-tool-choice", action=EnableDisable, default=False,
-                   help="turn tool calls in the output into tool_calls (needs --tool-call-parser)")
+    p.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="require 'Authorization: "
+        "Bearer KEY' on /v1/*; several keys: any is accepted (default: $MUSESPARK_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model name clients send; "
+        "several: the first is reported (default: MODEL as given, or the bundled model's directory name)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs / top_logprobs a request may ask for (-1: no limit of ours)",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="sampling defaults "
+        'over the checkpoint\'s generation config, e.g. \'{"temperature": 0.6, "max_new_tokens": 512}\'',
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file (or the template "
+        "itself) replacing the checkpoint's (chat_template.jinja, else tokenizer_config.json's)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="template kwargs for every chat request, a JSON object; a request's "
+        'chat_template_kwargs and fields override them (e.g. \'{"reasoning_strength": "low"}\')',
+    )
+    p.add_argument(
+        "--reasoning-effort-map",
+        default=None,
+        metavar="JSON",
+        help="a JSON object mapping reasoning_effort values (none, minimal, low, medium, high, xhigh, "
+        "max) to the value the template receives as reasoning_effort and reasoning_strength "
+        "(default: identity)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split reasoning channels into message.reasoning: muse (alias musespark1x)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action=EnableDisable,
+        default=False,
+        help="turn tool calls in the output into tool_calls (needs --tool-call-parser)",
+    )
     p.add_argument("--tool-call-parser", default=None, metavar="NAME", help="muse (alias musespark1x)")
-    p.add_argument("--enable-log-requests", dest="log_requests", action=EnableDisable, default=True,
-                   help="log each request (default: on; --disable-log-requests turns it off)")
-    p.add_argument("--disable-fastapi-docs", action=EnableDisable, default=False,
-                   help="do not serve /docs, /redoc and /openapi.json")
+    p.add_argument(
+        "--enable-log-requests",
+        dest="log_requests",
+        action=EnableDisable,
+        default=True,
+        help="log each request (default: on; --disable-log-requests turns it off)",
+    )
+    p.add_argument(
+        "--disable-fastapi-docs",
+        action=EnableDisable,
+        default=False,
+        help="do not serve /docs, /redoc and /openapi.json",
+    )
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="close a connection that has not sent a request's headers within this time")
-    p.add_argument("--shutdown-timeout", type=int, default=30, metavar="SECONDS",
-                   help="on SIGTERM/SIGINT, how long running requests may take to finish")
-    p.add_argument("--allowed-origins", default=None, metavar="JSON",
-                   help="browser origins allowed by CORS, a JSON list (e.g. '[\"https://app.example\"]'); "
-                   "default: none (vLLM's default is every origin)")
-    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
-                   help="proxies whose X-Forwarded-For/-Proto headers are trusted (comma-separated, or '*'); "
-                   "default: none, so a client's own X-Forwarded-For is never logged as its address")
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection that has not sent a request's headers within this time",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=30,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long running requests may take to finish",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="JSON",
+        help="browser origins allowed by CORS, a JSON list (e.g. '[\"https://app.example\"]'); "
+        "default: none (vLLM's default is every origin)",
+    )
+    p.add_argument(
+        "--forwarded-allow-ips",
+        default=None,
+        metavar="IPS",
+        help="proxies whose X-Forwarded-For/-Proto headers are trusted (comma-separated, or '*'); "
+        "default: none, so a client's own X-Forwarded-For is never logged as its address",
+    )
     p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key")
     p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate")
-    p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
+    )
     add_vllm_compat_args(p)  # every other `vllm serve` flag: ignored with a warning, or refused
 
 
@@ -253,8 +353,10 @@ def _vllm_model_flags(args: argparse.Namespace) -> None:
 
         model = Path(args.model) if args.model is not None else default_model_path()
         if Path(args.tokenizer).resolve() != model.resolve():
-            raise ValueError(f"--tokenizer {args.tokenizer!r}: only MODEL's own tokenizer is supported; "
-                             "drop --tokenizer or give the model directory")
+            raise ValueError(
+                f"--tokenizer {args.tokenizer!r}: only MODEL's own tokenizer is supported; "
+                "drop --tokenizer or give the model directory"
+            )
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -285,13 +387,25 @@ def _run_serve(args: argparse.Namespace) -> int:
         log.warning(f"--max-logprobs {args.max_logprobs}: requests are still limited to {MAX_LOGPROBS} logprobs")
     names = tuple(args.served_model_name or ())
     config_kwargs = dict(
-        api_keys=api_keys, max_request_body_bytes=args.max_request_body_bytes, log_requests=args.log_requests,
-        graceful_shutdown_s=args.shutdown_timeout, chat_template=template, default_chat_template_kwargs=default_kwargs,
-        reasoning_effort_map=effort_map, reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, header_timeout_s=args.header_timeout,
-        allowed_origins=origins, forwarded_allow_ips=args.forwarded_allow_ips, max_logprobs=args.max_logprobs,
-        fastapi_docs=not args.disable_fastapi_docs, model_aliases=names[1:], ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile)
+        api_keys=api_keys,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_requests=args.log_requests,
+        graceful_shutdown_s=args.shutdown_timeout,
+        chat_template=template,
+        default_chat_template_kwargs=default_kwargs,
+        reasoning_effort_map=effort_map,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        header_timeout_s=args.header_timeout,
+        allowed_origins=origins,
+        forwarded_allow_ips=args.forwarded_allow_ips,
+        max_logprobs=args.max_logprobs,
+        fastapi_docs=not args.disable_fastapi_docs,
+        model_aliases=names[1:],
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+    )
     ServerConfig(model_name=names[0] if names else "model", **config_kwargs)  # refuse bad values before loading
     engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
     if template is not None and engine.tokenizer is None:
@@ -300,8 +414,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         engine.input_processor.generation_defaults.update(overrides)
         engine.input_processor.default_sampling_params()  # a bad value fails now, not per request
     name = names[0] if names else args.model or engine.model_path.name
-    return serve(engine, ServerConfig(model_name=name, **config_kwargs), host=args.host, port=args.port,
-                 log_level=args.uvicorn_log_level)
+    return serve(
+        engine,
+        ServerConfig(model_name=name, **config_kwargs),
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+    )
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -322,25 +441,48 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 def _quantize_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an NVFP4 (ModelOpt-format) copy of a bf16 checkpoint")
-    p.add_argument("--format", required=True, choices=["nvfp4"], help="the quantized format (NVFP4: E2M1 codes, "
-                   "fp8-e4m3 block scales per 16, fp32 global and calibrated input scales)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=["nvfp4"],
+        help="the quantized format (NVFP4: E2M1 codes, "
+        "fp8-e4m3 block scales per 16, fp32 global and calibrated input scales)",
+    )
     p.add_argument("src", metavar="SRC", help="the unquantized checkpoint directory")
     p.add_argument("dst", metavar="DST", help="the new checkpoint directory (must not exist or be empty)")
-    p.add_argument("--scope", default="experts", choices=["experts", "linear"],
-                   help="experts (default): routed experts of every layer but the first and last; "
-                   "linear: every linear layer and all experts, not the LM head")
-    p.add_argument("--calibration-prompts", type=int, default=16, metavar="N",
-                   help="prompts the bf16 model runs to calibrate the activation input scales (default 16)")
-    p.add_argument("--calibration-file", default=None, metavar="F",
-                   help="a text file whose blank-line-separated paragraphs are the calibration prompts "
-                   "(default: modules of the Python standard library, the bundled model's corpus)")
+    p.add_argument(
+        "--scope",
+        default="experts",
+        choices=["experts", "linear"],
+        help="experts (default): routed experts of every layer but the first and last; "
+        "linear: every linear layer and all experts, not the LM head",
+    )
+    p.add_argument(
+        "--calibration-prompts",
+        type=int,
+        default=16,
+        metavar="N",
+        help="prompts the bf16 model runs to calibrate the activation input scales (default 16)",
+    )
+    p.add_argument(
+        "--calibration-file",
+        default=None,
+        metavar="F",
+        help="a text file whose blank-line-separated paragraphs are the calibration prompts "
+        "(default: modules of the Python standard library, the bundled model's corpus)",
+    )
 
 
 def _run_quantize(args: argparse.Namespace) -> int:
     from .quant.quantize import quantize_checkpoint
 
-    quantize_checkpoint(args.src, args.dst, scope=args.scope, calibration_prompts=args.calibration_prompts,
-                        calibration_file=args.calibration_file)
+    quantize_checkpoint(
+        args.src,
+        args.dst,
+        scope=args.scope,
+        calibration_prompts=args.calibration_prompts,
+        calibration_file=args.calibration_file,
+    )
     return 0
 
 

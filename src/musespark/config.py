@@ -81,17 +81,31 @@ class ModelConfig:
         # rules read in one place.
         n = self.num_hidden_layers
         for name in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
-            "moe_hidden_size", "moe_intermediate_size", "num_local_experts",
-            "num_experts_per_tok", "max_position_embeddings",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "sliding_window",
+            "moe_hidden_size",
+            "moe_intermediate_size",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "max_position_embeddings",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"config field {name!r} must be a positive integer, got {value!r}")
         for name in (
-            "rms_norm_eps", "post_norm_eps", "rope_theta", "qk_scale_factor",
-            "output_multiplier", "final_logit_softcapping", "residual_gate_temperature",
+            "rms_norm_eps",
+            "post_norm_eps",
+            "rope_theta",
+            "qk_scale_factor",
+            "output_multiplier",
+            "final_logit_softcapping",
+            "residual_gate_temperature",
             "routed_scaling_factor",
         ):
             value = getattr(self, name)
@@ -108,34 +122,43 @@ class ModelConfig:
                 f"got {self.num_experts_per_tok} > {self.num_local_experts}"
             )
         if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"config field 'tie_word_embeddings' must be true or false, got {self.tie_word_embeddings!r}")
+            raise ValueError(
+                f"config field 'tie_word_embeddings' must be true or false, got {self.tie_word_embeddings!r}"
+            )
         if self.hidden_act != "silu":
             raise ValueError(f"config field 'hidden_act' must be 'silu', got {self.hidden_act!r}")
         # Fill per-layer defaults (frozen dataclass: use object.__setattr__).
         if not self.layer_types:
-            object.__setattr__(self, "layer_types", tuple(
-                "full_attention" if _nope_every_fourth(n, i) else "sliding_attention" for i in range(n)))
+            object.__setattr__(
+                self,
+                "layer_types",
+                tuple("full_attention" if _nope_every_fourth(n, i) else "sliding_attention" for i in range(n)),
+            )
         if not self.mlp_layer_types:
             object.__setattr__(self, "mlp_layer_types", ("sparse",) * n)
         if not self.layer_rope_theta:
-            object.__setattr__(self, "layer_rope_theta", tuple(
-                0.0 if _nope_every_fourth(n, i) else float(self.rope_theta) for i in range(n)))
+            object.__setattr__(
+                self,
+                "layer_rope_theta",
+                tuple(0.0 if _nope_every_fourth(n, i) else float(self.rope_theta) for i in range(n)),
+            )
         for name, allowed in (("layer_types", _LAYER_TYPES), ("mlp_layer_types", _MLP_TYPES)):
             values = getattr(self, name)
             if len(values) != n:
-                raise ValueError(
-                    f"config field {name!r} must have num_hidden_layers={n} entries, got {len(values)}")
+                raise ValueError(f"config field {name!r} must have num_hidden_layers={n} entries, got {len(values)}")
             for i, v in enumerate(values):
                 if v not in allowed:
                     raise ValueError(f"config field {name!r}[{i}] must be one of {allowed}, got {v!r}")
         if len(self.layer_rope_theta) != n:
             raise ValueError(
                 f"config field 'layer_rope_theta' must have num_hidden_layers={n} entries, "
-                f"got {len(self.layer_rope_theta)}")
+                f"got {len(self.layer_rope_theta)}"
+            )
         for i, theta in enumerate(self.layer_rope_theta):
             if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta < 0 or not math.isfinite(theta):
                 raise ValueError(
-                    f"config field 'layer_rope_theta'[{i}] must be 0 (NoPE) or a positive number, got {theta!r}")
+                    f"config field 'layer_rope_theta'[{i}] must be 0 (NoPE) or a positive number, got {theta!r}"
+                )
         if self.head_dim % 2 != 0:
             raise ValueError(f"config field 'head_dim' must be even for RoPE, got {self.head_dim}")
         if isinstance(self.eos_token_id, int):
@@ -166,7 +189,7 @@ class ModelConfig:
     # ------------------------------------------------------------------ parsing
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Parse either config shape; unknown fields are ignored."""
         if not isinstance(data, dict):
             raise ValueError(f"config must be a JSON object, got {type(data).__name__}")
@@ -177,13 +200,16 @@ class ModelConfig:
             if not isinstance(text, dict):
                 raise ValueError("config field 'text_config' must be an object in a nested muse_spark config")
             extra = {k: v for k, v in data.items() if k != "text_config"}
-            checkpoint_dtype = text.get("dtype") or text.get("torch_dtype") or data.get("dtype") or data.get("torch_dtype")
+            checkpoint_dtype = (
+                text.get("dtype") or text.get("torch_dtype") or data.get("dtype") or data.get("torch_dtype")
+            )
         elif model_type in (FLAT_MODEL_TYPE, None):
             text = data
             checkpoint_dtype = data.get("dtype") or data.get("torch_dtype")
         else:
             raise ValueError(
-                f"config field 'model_type' must be {NESTED_MODEL_TYPE!r} or {FLAT_MODEL_TYPE!r}, got {model_type!r}")
+                f"config field 'model_type' must be {NESTED_MODEL_TYPE!r} or {FLAT_MODEL_TYPE!r}, got {model_type!r}"
+            )
 
         kwargs: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "checkpoint_dtype", "rope_theta"}
@@ -214,7 +240,7 @@ class ModelConfig:
         return cls(**kwargs, extra=extra)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         try:
             data = json.loads(path.read_text())
@@ -248,8 +274,10 @@ class ModelConfig:
         out["architectures"] = ["MuseSparkForConditionalGeneration"]
         out["text_config"] = text
         # Minimal towers so the released loader accepts the file; our engine ignores them.
-        out.setdefault("vision_config", {
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2})
+        out.setdefault(
+            "vision_config",
+            {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+        )
         out.setdefault("audio_config", {"hidden_sizes": [8, 8, 8, 8], "out_hidden_size": self.hidden_size})
         out.setdefault("out_hidden_size", 128)
         out.setdefault("projector_hidden_size", 64)
@@ -275,19 +303,27 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
         if self.kv_cache_memory is not None and (
-                isinstance(self.kv_cache_memory, bool) or not isinstance(self.kv_cache_memory, int)
-                or self.kv_cache_memory <= 0):
+            isinstance(self.kv_cache_memory, bool)
+            or not isinstance(self.kv_cache_memory, int)
+            or self.kv_cache_memory <= 0
+        ):
             raise InvalidArgumentError(
                 f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}",
-                param="kv_cache_memory")
-        if isinstance(self.kv_cache_fraction, bool) or not isinstance(self.kv_cache_fraction, (int, float)) \
-                or not 0 < self.kv_cache_fraction <= 1:
-            raise InvalidArgumentError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}",
-                                       param="kv_cache_fraction")
+                param="kv_cache_memory",
+            )
+        if (
+            isinstance(self.kv_cache_fraction, bool)
+            or not isinstance(self.kv_cache_fraction, (int, float))
+            or not 0 < self.kv_cache_fraction <= 1
+        ):
+            raise InvalidArgumentError(
+                f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction!r}", param="kv_cache_fraction"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise InvalidArgumentError(
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
-                param="enable_prefix_caching")
+                param="enable_prefix_caching",
+            )
 
 
 @dataclass(frozen=True)
@@ -319,7 +355,8 @@ class ParallelConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise InvalidArgumentError(
                 f"enable_expert_parallel must be true or false, got {self.enable_expert_parallel!r}",
-                param="enable_expert_parallel")
+                param="enable_expert_parallel",
+            )
 
     @property
     def world_size(self) -> int:
@@ -348,14 +385,17 @@ class ModelSettings:
         object.__setattr__(self, "path", Path(self.path))
         gc = self.generation_config
         if not isinstance(gc, (str, Path)) or (str(gc) not in ("auto", "vllm") and not Path(gc).is_dir()):
-            raise InvalidArgumentError(f"generation_config must be 'auto', 'vllm' or a directory, got {gc!r}",
-                                       param="generation_config")
+            raise InvalidArgumentError(
+                f"generation_config must be 'auto', 'vllm' or a directory, got {gc!r}", param="generation_config"
+            )
         if self.backend not in BACKENDS:
-            raise InvalidArgumentError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}",
-                                       param="backend")
+            raise InvalidArgumentError(
+                f"backend must be one of {list(BACKENDS)}, got {self.backend!r}", param="backend"
+            )
         if self.nvfp4_mode not in ("weight-only", "w4a4"):
-            raise InvalidArgumentError(f"nvfp4_mode must be 'weight-only' or 'w4a4', got {self.nvfp4_mode!r}",
-                                       param="nvfp4_mode")
+            raise InvalidArgumentError(
+                f"nvfp4_mode must be 'weight-only' or 'w4a4', got {self.nvfp4_mode!r}", param="nvfp4_mode"
+            )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidArgumentError(f"seed must be None or an int, got {self.seed!r}", param="seed")
 

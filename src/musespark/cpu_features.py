@@ -14,8 +14,12 @@ ISA_ENV = "MUSESPARK_ISA"  # run as if the CPU stopped at this level (tests, A/B
 # kernels, ATen's vector kernels, oneDNN (PyTorch's bf16 matmuls then leave oneDNN for its own
 # loops, as on such a CPU) and MKL. Read when each library loads: set it before torch is imported.
 # Only the instruction sets change; the caches and memory stay this machine's.
-AVX2_ONLY_ENV = {ISA_ENV: "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+AVX2_ONLY_ENV = {
+    ISA_ENV: "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 
 @functools.cache

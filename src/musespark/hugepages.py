@@ -53,7 +53,7 @@ def describe() -> str:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return "on (THP mode unknown)"
-    mode = text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
+    mode = text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
     return "no effect (THP never)" if mode == "never" else f"on (THP {mode})"
 
 

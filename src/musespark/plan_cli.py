@@ -11,34 +11,67 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("plan", help="per-rank weight and KV-cache memory of a TP/EP/PP deployment (no weights read)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, metavar="DIR", help="a checkpoint directory (only its config.json "
-                     "is read; default: the bundled model)")
+    src.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a checkpoint directory (only its config.json is read; default: the bundled model)",
+    )
     src.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a named config (musespark.bench.presets)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N")
-    p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
-                   help="experts split over the TP ranks (contiguous blocks) instead of along their width")
+    p.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="experts split over the TP ranks (contiguous blocks) instead of along their width",
+    )
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N")
-    p.add_argument("--quantization", "-q", default=None, choices=["nvfp4"],
-                   help="nvfp4: routed experts (not those of the first and last layer) as NVFP4")
-    p.add_argument("--dtype", default="auto",
-                   help="unquantized weights' dtype (default: the checkpoint's, else bfloat16)")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["nvfp4"],
+        help="nvfp4: routed experts (not those of the first and last layer) as NVFP4",
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="unquantized weights' dtype (default: the checkpoint's, else bfloat16)"
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (= --dtype), a dtype, or fp8")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--device-memory", type=float, default=None, metavar="GB",
-                   help="memory per device in GB (1e9 bytes): how many KV tokens fit beside the weights")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="sliding layers hold min(window, this) tokens; with --device-memory: sequences of this "
-                   "length that fit")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="with --device-memory: reserve this many sequences' sliding-window KV first")
+    p.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory per device in GB (1e9 bytes): how many KV tokens fit beside the weights",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="sliding layers hold min(window, this) tokens; with --device-memory: sequences of this length that fit",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="with --device-memory: reserve this many sequences' sliding-window KV first",
+    )
     p.add_argument("--json", action="store_true", help="also print one JSON object (the last line)")
 
 
 def plan_rows(plans: list) -> list[tuple[str, object]]:
     """Consecutive ranks with identical figures, grouped: [(label "0-7", plan), ...]."""
+
     def key(r):
-        return (r.pp_rank, r.layers, r.experts[1] - r.experts[0], tuple(r.weights.values()), r.kv_bytes_per_token,
-                r.kv_tokens)
+        return (
+            r.pp_rank,
+            r.layers,
+            r.experts[1] - r.experts[0],
+            tuple(r.weights.values()),
+            r.kv_bytes_per_token,
+            r.kv_tokens,
+        )
 
     rows: list[list] = []
     for r in plans:
@@ -66,26 +99,64 @@ def run(args: argparse.Namespace) -> int:
         cfg, source = load_config(path), str(path)
     tp, pp, ep = args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel
     dtype, _ = dtype_bytes(args.dtype, cfg)
-    plans = plan_memory(cfg, tp=tp, ep=ep, pp=pp, quantization=args.quantization, dtype=dtype,
-                        block_size=args.block_size, device_memory_gb=args.device_memory,
-                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        kv_cache_dtype=args.kv_cache_dtype)
+    plans = plan_memory(
+        cfg,
+        tp=tp,
+        ep=ep,
+        pp=pp,
+        quantization=args.quantization,
+        dtype=dtype,
+        block_size=args.block_size,
+        device_memory_gb=args.device_memory,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     unit, scale = ("GB", GB) if max(r.weight_bytes for r in plans) >= GB else ("MB", 1e6)
-    print(f"{source}: TP{tp}{'+EP' + str(tp) if ep else ''}{f' x PP{pp}' if pp > 1 else ''}, {tp * pp} ranks, "
-          f"weights {dtype}{' + NVFP4 experts' if args.quantization else ''}, in {unit} (1{unit} = {scale:.0e} bytes)")
-    head = ["ranks", "stage", "layers", "experts", "attn", "pool+unpool", "router", "embed/head", "experts",
-            "other", "total", "KV B/tok", "sliding MiB/seq"]
+    print(
+        f"{source}: TP{tp}{'+EP' + str(tp) if ep else ''}{f' x PP{pp}' if pp > 1 else ''}, {tp * pp} ranks, "
+        f"weights {dtype}{' + NVFP4 experts' if args.quantization else ''}, in {unit} (1{unit} = {scale:.0e} bytes)"
+    )
+    head = [
+        "ranks",
+        "stage",
+        "layers",
+        "experts",
+        "attn",
+        "pool+unpool",
+        "router",
+        "embed/head",
+        "experts",
+        "other",
+        "total",
+        "KV B/tok",
+        "sliding MiB/seq",
+    ]
     if args.device_memory is not None:
         head += ["KV GB", "KV tokens"] + ([f"seqs@{args.max_model_len}"] if args.max_model_len else [])
     table = [head]
     for label, r in plan_rows(plans):
         w = r.weights
-        g = lambda *parts: f"{sum(w[x] for x in parts) / scale:.2f}"  # noqa: E731
-        row = [label, str(r.pp_rank), f"{r.layers[0]}-{r.layers[1] - 1}", f"{r.experts[0]}-{r.experts[1] - 1}"
-               + ("" if r.expert_width == cfg.moe_intermediate_size else f" @{r.expert_width}"),
-               g("attention"), g("pooler_unpooler"), g("router", "router_bias"), g("embedding", "lm_head"),
-               g("experts"), g("dense_mlp", "norms_gates"), f"{r.weight_bytes / scale:.2f}", str(r.kv_bytes_per_token),
-               f"{r.kv_bytes_per_seq_sliding / 2**20:.2f}"]
+
+        def g(*parts: str, w: dict[str, int] = w) -> str:
+            return f"{sum(w[x] for x in parts) / scale:.2f}"
+
+        row = [
+            label,
+            str(r.pp_rank),
+            f"{r.layers[0]}-{r.layers[1] - 1}",
+            f"{r.experts[0]}-{r.experts[1] - 1}"
+            + ("" if r.expert_width == cfg.moe_intermediate_size else f" @{r.expert_width}"),
+            g("attention"),
+            g("pooler_unpooler"),
+            g("router", "router_bias"),
+            g("embedding", "lm_head"),
+            g("experts"),
+            g("dense_mlp", "norms_gates"),
+            f"{r.weight_bytes / scale:.2f}",
+            str(r.kv_bytes_per_token),
+            f"{r.kv_bytes_per_seq_sliding / 2**20:.2f}",
+        ]
         if args.device_memory is not None:
             row += [f"{r.kv_cache_bytes / GB:.2f}", "-" if r.kv_tokens is None else str(r.kv_tokens)]
             if args.max_model_len:
@@ -98,8 +169,19 @@ def run(args: argparse.Namespace) -> int:
         for note in r.notes:
             print(f"rank {r.rank}: {note}")
     if args.json:
-        print(json.dumps({"source": source, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                          "enable_expert_parallel": ep, "quantization": args.quantization, "dtype": dtype,
-                          "world_size": tp * pp, "max_weight_bytes": max(r.weight_bytes for r in plans),
-                          "ranks": [r.as_dict() for r in plans]}))
+        print(
+            json.dumps(
+                {
+                    "source": source,
+                    "tensor_parallel_size": tp,
+                    "pipeline_parallel_size": pp,
+                    "enable_expert_parallel": ep,
+                    "quantization": args.quantization,
+                    "dtype": dtype,
+                    "world_size": tp * pp,
+                    "max_weight_bytes": max(r.weight_bytes for r in plans),
+                    "ranks": [r.as_dict() for r in plans],
+                }
+            )
+        )
     return 0

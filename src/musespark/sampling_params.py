@@ -84,7 +84,9 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise InvalidArgumentError(
                 f"{param} needs exactly one of {', '.join(STRUCTURED_KINDS)}; got "
-                f"{', '.join(given) if given else 'none'}", param=param)
+                f"{', '.join(given) if given else 'none'}",
+                param=param,
+            )
         if self.json is not None and not isinstance(self.json, (str, Mapping)):
             raise _bad(f"{param}.json", self.json, "a JSON schema (an object or its JSON text)")
         if self.regex is not None and not (isinstance(self.regex, str) and self.regex):
@@ -92,8 +94,11 @@ class StructuredOutputsParams:
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
             raise _bad(f"{param}.grammar", self.grammar, "a non-empty grammar string")
         if self.choice is not None:
-            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
-                    isinstance(c, str) and c for c in self.choice):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
                 raise _bad(f"{param}.choice", self.choice, "a non-empty list of non-empty strings")
             set_("choice", list(self.choice))
         if self.json_object not in (None, True, False):
@@ -260,16 +265,20 @@ class SamplingParams:
         seqs = self._bad_words_token_ids
         if seqs is not None:
             if not isinstance(seqs, (list, tuple)) or not all(
-                    isinstance(s, (list, tuple)) and s and all(_is_int(t) and t >= 0 for t in s) for s in seqs):
+                isinstance(s, (list, tuple)) and s and all(_is_int(t) and t >= 0 for t in s) for s in seqs
+            ):
                 raise _bad("bad_words", seqs, "tokenized as non-empty lists of ints >= 0")
             set_("_bad_words_token_ids", [[int(t) for t in s] for s in seqs])
 
         so = self.structured_outputs
         if isinstance(so, Mapping):
-            unknown = sorted(str(k) for k in so if k not in {f.name for f in dataclasses.fields(StructuredOutputsParams)})
+            unknown = sorted(
+                str(k) for k in so if k not in {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+            )
             if unknown:
-                raise InvalidArgumentError(f"structured_outputs has unknown key(s): {', '.join(unknown)}",
-                                           param="structured_outputs")
+                raise InvalidArgumentError(
+                    f"structured_outputs has unknown key(s): {', '.join(unknown)}", param="structured_outputs"
+                )
             set_("structured_outputs", StructuredOutputsParams(**so))
         elif so is not None and not isinstance(so, StructuredOutputsParams):
             raise _bad("structured_outputs", so, "None, a StructuredOutputsParams or a dict of its fields")

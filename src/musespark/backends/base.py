@@ -36,13 +36,20 @@ class Backend(ABC):
     supports_autograd: ClassVar[bool] = False  # without it, a forward that needs gradients runs on torch
 
     @contextlib.contextmanager
-    def step(self, ctx: "AttentionContext") -> Iterator[None]:
+    def step(self, ctx: AttentionContext) -> Iterator[None]:
         """Wraps one forward over the batch `ctx` describes (the model enters it around its
         layers): a backend that picks kernels per row (ctx.prompt_rows) reads the batch here."""
         yield
 
-    def decode_forward(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor, positions: torch.Tensor,
-                       ctx: "AttentionContext", rope: dict, dtype: torch.dtype) -> torch.Tensor | None:
+    def decode_forward(
+        self,
+        model: MuseSparkForCausalLM,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        rope: dict,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
         """The model's whole forward in one go (it calls this inside `step` first): the final
         norm's output y, the same bits as `embed`, `DecoderLayer.forward` layer by layer and
         `final_norm` give; or None (the default), and the model runs those steps. A backend
@@ -50,36 +57,44 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the fp32 stream [T, H]: the embedding, RMS-normalized without weight."""
 
     @abstractmethod
-    def attn_in(self, layer: "DecoderLayer", s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attn_in(
+        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """s [T, H] fp32 -> q [T, nH, D], k [T, nKV, D], v [T, nKV, D], gate [T, nH, D], all in
         `dtype`; q and k QK-normed (q times qk_scale) and rotated."""
 
     @abstractmethod
-    def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  positions: torch.Tensor, ctx: "AttentionContext") -> torch.Tensor:
+    def attention(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
         """Write k/v into the paged cache (if any) and attend -> o [T, nH, D] in q's dtype."""
 
     @abstractmethod
-    def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """-> s' [T, H] fp32 = gate(s, rms(o_proj(rms(o) * sigmoid(g))))."""
 
     @abstractmethod
-    def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """-> s' [T, H] fp32 = gate(s, post_norm(SwiGLU(pre_norm(s))))."""
 
     @abstractmethod
-    def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """-> s' [T, H] fp32 = gate(s, post_norm(MoE(pre_norm(s)))) (route, pool, experts, unpool)."""
 
     @abstractmethod
-    def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """s [T, H] fp32 -> y [T, H] in `dtype`."""
 
     @abstractmethod
-    def logits(self, model: "MuseSparkForCausalLM", y: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: MuseSparkForCausalLM, y: torch.Tensor) -> torch.Tensor:
         """y [N, H] -> soft-capped logits [N, V] fp32: cap * tanh(y W^T * m / cap)."""

@@ -21,7 +21,8 @@ architecture and never change after construction.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,9 +88,11 @@ def count_structure_changes() -> int:
     """The count of module-tree changes since the hooks were installed (here, at the first call)."""
     global _hooks_installed
     if not _hooks_installed:
-        for register in (nn.modules.module.register_module_parameter_registration_hook,
-                         nn.modules.module.register_module_buffer_registration_hook,
-                         nn.modules.module.register_module_module_registration_hook):
+        for register in (
+            nn.modules.module.register_module_parameter_registration_hook,
+            nn.modules.module.register_module_buffer_registration_hook,
+            nn.modules.module.register_module_module_registration_hook,
+        ):
             register(_changed)
         _hooks_installed = True
     return _structure_changes
@@ -137,17 +140,29 @@ class WeightArgs:
 
     def linear(self, linear: nn.Module) -> list[torch.Tensor]:
         if isinstance(linear.format, Nvfp4Linear):
-            return self._get(linear, ("weight", "weight_scale", "weight_scale_2"),
-                             lambda w, s, g: [w, s.view(torch.uint8), g.reshape(1)])
+            return self._get(
+                linear,
+                ("weight", "weight_scale", "weight_scale_2"),
+                lambda w, s, g: [w, s.view(torch.uint8), g.reshape(1)],
+            )
         return self._get(linear, ("weight",), self._dense)
 
     def experts(self, experts: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """gate|up and down (NVFP4: gate|up has two global scales per expert, down one)."""
         if isinstance(experts.format, Nvfp4Experts):
-            names = ("gate_up_proj", "gate_up_proj_weight_scale", "gate_up_proj_weight_scale_2", "down_proj",
-                     "down_proj_weight_scale", "down_proj_weight_scale_2")
-            return self._get(experts, names, lambda gu, gus, gug, d, ds, dg: (
-                [gu, gus.view(torch.uint8), gug], [d, ds.view(torch.uint8), dg]))
+            names = (
+                "gate_up_proj",
+                "gate_up_proj_weight_scale",
+                "gate_up_proj_weight_scale_2",
+                "down_proj",
+                "down_proj_weight_scale",
+                "down_proj_weight_scale_2",
+            )
+            return self._get(
+                experts,
+                names,
+                lambda gu, gus, gug, d, ds, dg: ([gu, gus.view(torch.uint8), gug], [d, ds.view(torch.uint8), dg]),
+            )
         return self._get(experts, ("gate_up_proj", "down_proj"), lambda gu, d: (self._dense(gu), self._dense(d)))
 
 

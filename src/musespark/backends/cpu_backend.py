@@ -26,8 +26,9 @@ and use the reference GEMM. w4a4 NVFP4 and everything else is the torch backend'
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,8 @@ FP32_FUSED_MAX_ROWS = 16
 
 def _fused_dtype(dtype: torch.dtype, rows: int) -> bool:
     return dtype == torch.bfloat16 or (dtype == torch.float32 and rows <= FP32_FUSED_MAX_ROWS)
+
+
 # Most activation rows an NVFP4 product sends to the native kernel (decode batches, short
 # prefills); larger ones decode the weight once and use the reference GEMM.
 NVFP4_NATIVE_MAX_ROWS = 16
@@ -65,12 +68,16 @@ NVFP4_NATIVE_MAX_ROWS = 16
 def _fusable(fmt: object) -> bool:
     """Formats the fused blocks multiply: dense, and weight-only NVFP4."""
     return isinstance(fmt, (DenseLinear, DenseExperts)) or (
-        isinstance(fmt, (Nvfp4Linear, Nvfp4Experts)) and fmt.mode == "weight-only")
+        isinstance(fmt, (Nvfp4Linear, Nvfp4Experts)) and fmt.mode == "weight-only"
+    )
 
 
 def _native_rows(x: torch.Tensor) -> bool:
-    return (x.dtype in (torch.bfloat16, torch.float32) and 0 < x.numel() // x.shape[-1] <= NVFP4_NATIVE_MAX_ROWS
-            and not (torch.is_grad_enabled() and x.requires_grad))
+    return (
+        x.dtype in (torch.bfloat16, torch.float32)
+        and 0 < x.numel() // x.shape[-1] <= NVFP4_NATIVE_MAX_ROWS
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
 
 
 class _NativeNvfp4Linear(LinearFormat):
@@ -86,8 +93,9 @@ class _NativeNvfp4Linear(LinearFormat):
     def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if not _native_rows(x):
             return self.ref.apply(module, x)
-        y = self.ops.nvfp4_linear(x.reshape(-1, x.shape[-1]), module.weight, module.weight_scale.view(torch.uint8),
-                                  module.weight_scale_2)
+        y = self.ops.nvfp4_linear(
+            x.reshape(-1, x.shape[-1]), module.weight, module.weight_scale.view(torch.uint8), module.weight_scale_2
+        )
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -106,12 +114,20 @@ class _NativeNvfp4Experts(ExpertsFormat):
         if partial or not _native_rows(x):
             return self.ref.apply(module, expert, x, partial)
         ops = self.ops
-        gate_up = ops.nvfp4_linear(x, module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert].view(torch.uint8),
-                                   module.gate_up_proj_weight_scale_2[expert])
+        gate_up = ops.nvfp4_linear(
+            x,
+            module.gate_up_proj[expert],
+            module.gate_up_proj_weight_scale[expert].view(torch.uint8),
+            module.gate_up_proj_weight_scale_2[expert],
+        )
         gate, up = gate_up.chunk(2, dim=-1)
         h = F.silu(gate) * up
-        return ops.nvfp4_linear(h, module.down_proj[expert], module.down_proj_weight_scale[expert].view(torch.uint8),
-                                module.down_proj_weight_scale_2[expert])
+        return ops.nvfp4_linear(
+            h,
+            module.down_proj[expert],
+            module.down_proj_weight_scale[expert].view(torch.uint8),
+            module.down_proj_weight_scale_2[expert],
+        )
 
 
 class _NativeNvfp4:
@@ -125,7 +141,7 @@ class _NativeNvfp4:
     model under another backend during a step, it would get the native products for that
     step: the same values up to fp32 summation order.)"""
 
-    def __init__(self, model: "MuseSparkForCausalLM", ops: Any) -> None:
+    def __init__(self, model: MuseSparkForCausalLM, ops: Any) -> None:
         self.swaps: dict[nn.Module, list[tuple[nn.Module, Any]]] = {}
         owners = [layer for layer in model.layers if hasattr(layer, "self_attn")] + [model]
         for owner in owners:
@@ -160,19 +176,20 @@ class CpuBackend(TorchBackend):
     name = "cpu"
     supports_autograd = False
 
-    def __init__(self, model: "MuseSparkForCausalLM") -> None:
+    def __init__(self, model: MuseSparkForCausalLM) -> None:
         """Loads (or builds, once, cached) the kernels now, not in the first request.
         Raises ValueError naming the reason when they are unavailable."""
         ops = cpu.native_ops()
         if ops is None:
-            raise ValueError("backend='cpu' needs the native CPU kernels, which are unavailable here "
-                             f"({cpu.unavailable_reason()}); use backend='torch' or 'auto'")
+            raise ValueError(
+                "backend='cpu' needs the native CPU kernels, which are unavailable here "
+                f"({cpu.unavailable_reason()}); use backend='torch' or 'auto'"
+            )
         if model.device.type != "cpu":
             raise ValueError(f"backend='cpu' runs models on the CPU; this model is on {model.device}")
         self.ops: Any = ops
         cfg = model.config
-        widths = (cfg.hidden_size, cfg.head_dim, cfg.moe_hidden_size, cfg.moe_intermediate_size,
-                  cfg.intermediate_size)
+        widths = (cfg.hidden_size, cfg.head_dim, cfg.moe_hidden_size, cfg.moe_intermediate_size, cfg.intermediate_size)
         fusable = all(_fusable(m.format) for m in model.modules() if hasattr(m, "format") and m is not model.lm_head)
         # Which steps have kernels for this model (its dtype is checked per call: `.to()` may change it).
         # The fused blocks hold a whole layer: one process (no tensor-parallel partial sums).
@@ -185,9 +202,13 @@ class CpuBackend(TorchBackend):
         self.native_head = isinstance(getattr(model.lm_head, "format", None), DenseLinear) and cfg.hidden_size % 8 == 0
         self.nvfp4 = _NativeNvfp4(model, ops)
         # bf16 experts packed into panels too when there is room for the copy (cpu.expert_panels).
-        expert_bytes = sum(p.numel() * p.element_size() for m in model.modules()
-                           if isinstance(getattr(m, "format", None), DenseExperts)
-                           for p in (m.gate_up_proj, m.down_proj) if p.dtype == torch.bfloat16)
+        expert_bytes = sum(
+            p.numel() * p.element_size()
+            for m in model.modules()
+            if isinstance(getattr(m, "format", None), DenseExperts)
+            for p in (m.gate_up_proj, m.down_proj)
+            if p.dtype == torch.bfloat16
+        )
         self.weights = WeightArgs(ops, pack_experts=cpu.expert_panels(expert_bytes))
         self.args = StepArgs(self.weights)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
@@ -214,78 +235,135 @@ class CpuBackend(TorchBackend):
         rows = self._prompt_rows
         return rows if rows is not None and rows.shape[0] == s.shape[0] else None
 
-    def decode_forward(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor, positions: torch.Tensor,
-                       ctx: AttentionContext, rope: dict, dtype: torch.dtype) -> torch.Tensor | None:
+    def decode_forward(
+        self,
+        model: MuseSparkForCausalLM,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        rope: dict,
+        dtype: torch.dtype,
+    ) -> torch.Tensor | None:
         """A pure decode step (one new row per sequence, no speculative rows) of a model in
         one process whose layers all take the fused blocks and the native decode attention
         (the paths `attn_in` ... `final_norm` below would take): the decode plan."""
-        if not (self.use_decode_plan and self.fused_blocks and self.native_decode
-                and _fused_dtype(dtype, input_ids.shape[0]) and input_ids.shape[0] == ctx.num_seqs > 0
-                and not ctx.row_wise and ctx.kv_caches is not None and ctx.groups is not None
-                and ctx.layer_group is not None and all(k.dtype == v.dtype == dtype for k, v in ctx.kv_caches)):
+        if not (
+            self.use_decode_plan
+            and self.fused_blocks
+            and self.native_decode
+            and _fused_dtype(dtype, input_ids.shape[0])
+            and input_ids.shape[0] == ctx.num_seqs > 0
+            and not ctx.row_wise
+            and ctx.kv_caches is not None
+            and ctx.groups is not None
+            and ctx.layer_group is not None
+            and all(k.dtype == v.dtype == dtype for k, v in ctx.kv_caches)
+        ):
             return None
         return self.decode_plan.run(model, input_ids, positions, ctx, rope, dtype)
 
-    def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
         x = model.embed_tokens(input_ids)
         if x.dtype != torch.bfloat16:
             return super().embed(model, input_ids)
         return self.ops.rms_norm(x, None, model.config.rms_norm_eps, False, 1.0, torch.float32)
 
-    def attn_in(self, layer: "DecoderLayer", s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attn_in(
+        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_in(layer, s, rotary, dtype)
         cos, sin = rotary or (None, None)
         return self.ops.attn_in(s, *self._attn_in_args(layer), cos, sin, dtype == torch.bfloat16, self._prompt(s))
 
-    def _attn_in_args(self, layer: "DecoderLayer") -> tuple:
+    def _attn_in_args(self, layer: DecoderLayer) -> tuple:
         def build() -> tuple[tuple, tuple[str, ...]]:
             attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
-            return (norm.gain(), norm.eps, w.linear(attn.q_proj), w.linear(attn.k_proj), w.linear(attn.v_proj),
-                    w.linear(attn.gate_proj), attn.num_heads, attn.num_kv_heads, attn.qk_scale), \
-                ("input_layernorm", "self_attn")
+            return (
+                norm.gain(),
+                norm.eps,
+                w.linear(attn.q_proj),
+                w.linear(attn.k_proj),
+                w.linear(attn.v_proj),
+                w.linear(attn.gate_proj),
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.qk_scale,
+            ), ("input_layernorm", "self_attn")
+
         return self.args.get("attn_in", layer, build)
 
-    def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        native = (self.native_decode and ctx.kv_caches is not None
-                  and ctx.kv_caches[attn.layer][0].dtype in _NATIVE_CACHE_DTYPES)
+    def attention(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        native = (
+            self.native_decode
+            and ctx.kv_caches is not None
+            and ctx.kv_caches[attn.layer][0].dtype in _NATIVE_CACHE_DTYPES
+        )
         if native and q.shape[0] == ctx.num_seqs and q.dtype == k.dtype == ctx.kv_caches[attn.layer][0].dtype:
             # A pure decode step: the cache writes and the decode kernel in one call (the
             # numbers paged_attention's decode path gives, without its per-layer glue).
             assert ctx.groups is not None and ctx.layer_group is not None
             group = ctx.groups[ctx.layer_group[attn.layer]]
             k_cache, v_cache = ctx.kv_caches[attn.layer]
-            return self.ops.paged_decode_step(q.contiguous(), k.contiguous(), v.contiguous(), k_cache, v_cache,
-                                              group.slot_mapping, group.block_tables, ctx.seq_lens_tensor(q.device),
-                                              attn.window or 0, attn.scale)
-        return paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window,
-                               decode=self.ops.paged_decode_attention if native else None,
-                               prefill=self.ops.prefill_attention if native and self.native_prefill
-                               and self.ops.isa_path() in cpu.PANEL_PATHS else None)
+            return self.ops.paged_decode_step(
+                q.contiguous(),
+                k.contiguous(),
+                v.contiguous(),
+                k_cache,
+                v_cache,
+                group.slot_mapping,
+                group.block_tables,
+                ctx.seq_lens_tensor(q.device),
+                attn.window or 0,
+                attn.scale,
+            )
+        return paged_attention(
+            q,
+            k,
+            v,
+            positions,
+            ctx,
+            attn.layer,
+            attn.scale,
+            attn.window,
+            decode=self.ops.paged_decode_attention if native else None,
+            prefill=self.ops.prefill_attention
+            if native and self.native_prefill and self.ops.isa_path() in cpu.PANEL_PATHS
+            else None,
+        )
 
-    def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(o.dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_out(layer, s, o, g)
         return self.ops.attn_out(s, o.contiguous(), g, *self._attn_out_args(layer), self._prompt(s))
 
-    def _attn_out_args(self, layer: "DecoderLayer") -> tuple:
+    def _attn_out_args(self, layer: DecoderLayer) -> tuple:
         def build() -> tuple[tuple, tuple[str, ...]]:
             attn, gate = layer.self_attn, layer.post_attention_residual_gate
-            return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps), \
-                ("self_attn", "post_attention_residual_gate")
+            return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps), (
+                "self_attn",
+                "post_attention_residual_gate",
+            )
+
         return self.args.get("attn_out", layer, build)
 
-    def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().dense_ffn(layer, s, dtype)
         return self.ops.ffn_dense(s, *self._ffn_args("ffn_dense", layer), dtype == torch.bfloat16, self._prompt(s))
 
-    def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
         and one for the per-expert and block post-norms (both post_norm_eps)."""
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
@@ -293,36 +371,73 @@ class CpuBackend(TorchBackend):
                 return super().moe_ffn(layer, s, dtype)
         return self.ops.ffn_moe(s, *self._ffn_args("ffn_moe", layer), dtype == torch.bfloat16, self._prompt(s))
 
-    def _ffn_args(self, op: str, layer: "DecoderLayer") -> tuple:
+    def _ffn_args(self, op: str, layer: DecoderLayer) -> tuple:
         """`op`'s arguments between the stream and the bf16 flag: the pre-norm, the block's
         weights, the post-norm and the residual gate."""
+
         def build() -> tuple[tuple, tuple[str, ...]]:
-            mlp, pre, post, gate = layer.mlp, layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm, \
-                layer.post_feedforward_residual_gate
+            mlp, pre, post, gate = (
+                layer.mlp,
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+                layer.post_feedforward_residual_gate,
+            )
             w, tail = self.weights, (post.gain(), post.eps, *gate.coefficients_cached())
-            children = ("pre_feedforward_layernorm", "mlp", "post_feedforward_layernorm", "post_feedforward_residual_gate")
+            children = (
+                "pre_feedforward_layernorm",
+                "mlp",
+                "post_feedforward_layernorm",
+                "post_feedforward_residual_gate",
+            )
             if op == "ffn_dense":
-                return (pre.gain(), pre.eps, w.linear(mlp.gate_proj), w.linear(mlp.up_proj), w.linear(mlp.down_proj),
-                        *tail), children
+                return (
+                    pre.gain(),
+                    pre.eps,
+                    w.linear(mlp.gate_proj),
+                    w.linear(mlp.up_proj),
+                    w.linear(mlp.down_proj),
+                    *tail,
+                ), children
             moe: SparseMoeBlock = mlp
             router, experts = moe.gate, moe.experts
-            return (pre.gain(), pre.eps, router.weight.float(), router.e_score_correction_bias.float(), router.top_k,
-                    router.output_multiplier, router.routed_scaling_factor, w.linear(moe.pre_expert_proj),
-                    moe.pre_expert_norm.gain(), *w.experts(experts), experts.post_expert_norm.gain(),
-                    w.linear(moe.post_expert_proj), *tail), children
+            return (
+                pre.gain(),
+                pre.eps,
+                router.weight.float(),
+                router.e_score_correction_bias.float(),
+                router.top_k,
+                router.output_multiplier,
+                router.routed_scaling_factor,
+                w.linear(moe.pre_expert_proj),
+                moe.pre_expert_norm.gain(),
+                *w.experts(experts),
+                experts.post_expert_norm.gain(),
+                w.linear(moe.post_expert_proj),
+                *tail,
+            ), children
+
         return self.args.get(op, layer, build)
 
-    def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not _fused_dtype(dtype, s.shape[0]):
             return super().final_norm(model, s, dtype)
         norm = model.norm
         return self.ops.rms_norm(s, norm.gain(), norm.eps, False, 1.0, dtype)
 
-    def logits(self, model: "MuseSparkForCausalLM", y: torch.Tensor) -> torch.Tensor:
-        if not (self.native_head and _fused_dtype(y.dtype, y.shape[0]) and y.dtype == model.lm_head.weight.dtype
-                and y.shape[0] > 0):
+    def logits(self, model: MuseSparkForCausalLM, y: torch.Tensor) -> torch.Tensor:
+        if not (
+            self.native_head
+            and _fused_dtype(y.dtype, y.shape[0])
+            and y.dtype == model.lm_head.weight.dtype
+            and y.shape[0] > 0
+        ):
             with self.nvfp4.native(model):
                 return super().logits(model, y)
         head = self.weights.linear(model.lm_head)
-        return self.ops.softcapped_logits(y.reshape(-1, y.shape[-1]), head[0], model.config.output_multiplier,
-                                          model.config.final_logit_softcapping, head[1] if len(head) == 2 else None)
+        return self.ops.softcapped_logits(
+            y.reshape(-1, y.shape[-1]),
+            head[0],
+            model.config.output_multiplier,
+            model.config.final_logit_softcapping,
+            head[1] if len(head) == 2 else None,
+        )

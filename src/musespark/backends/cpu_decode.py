@@ -37,7 +37,7 @@ class DecodePlan:
     """`run` is the model's forward over a pure decode step (the caller,
     `CpuBackend.decode_forward`, says when a step is one)."""
 
-    def __init__(self, backend: "CpuBackend") -> None:
+    def __init__(self, backend: CpuBackend) -> None:
         self.backend = backend
         self.builds = 0  # how many times a plan was built (tests: reuse and rebuilds)
         self._native: Any = None
@@ -46,8 +46,15 @@ class DecodePlan:
         self._rope_layers: list[int] = []  # one layer per rotary base: run's tables, in order
         self._embeds = False  # whether the native plan embeds (a bf16 embedding)
 
-    def run(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor, positions: torch.Tensor,
-            ctx: "AttentionContext", rope: dict, dtype: torch.dtype) -> torch.Tensor:
+    def run(
+        self,
+        model: MuseSparkForCausalLM,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        rope: dict,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """input_ids [B], one new token per sequence -> the final norm's output [B, H] in `dtype`.
         The rotary tables go through `rope` as in the step-by-step path."""
         assert ctx.kv_caches is not None and ctx.groups is not None and ctx.layer_group is not None
@@ -55,18 +62,28 @@ class DecodePlan:
         # A bf16 embedding is looked up and normed natively; another goes the backend's way.
         first = input_ids if self._embeds else self.backend.embed(model, input_ids)
         tables = [model.layers[i].self_attn.rotary(positions, rope, ctx.max_position) for i in self._rope_layers]
-        return native.run(first, [t[0] for t in tables], [t[1] for t in tables],
-                          [g.slot_mapping for g in ctx.groups], [g.block_tables for g in ctx.groups],
-                          ctx.seq_lens_tensor(positions.device), dtype == torch.bfloat16,
-                          self.backend._prompt(input_ids))
+        return native.run(
+            first,
+            [t[0] for t in tables],
+            [t[1] for t in tables],
+            [g.slot_mapping for g in ctx.groups],
+            [g.block_tables for g in ctx.groups],
+            ctx.seq_lens_tensor(positions.device),
+            dtype == torch.bfloat16,
+            self.backend._prompt(input_ids),
+        )
 
-    def _current(self, model: "MuseSparkForCausalLM", ctx: "AttentionContext", dtype: torch.dtype) -> Any:
+    def _current(self, model: MuseSparkForCausalLM, ctx: AttentionContext, dtype: torch.dtype) -> Any:
         caches = ctx.kv_caches
         assert caches is not None and ctx.layer_group is not None
         key = (id(model), dtype, self.backend.weights.panels, tuple(ctx.layer_group), count_structure_changes())
-        if (self._native is not None and key == self._key and len(caches) == len(self._caches)
-                and all(a is b or (a[0] is b[0] and a[1] is b[1]) for a, b in zip(caches, self._caches))
-                and not self._native.stale()):
+        if (
+            self._native is not None
+            and key == self._key
+            and len(caches) == len(self._caches)
+            and all(a is b or (a[0] is b[0] and a[1] is b[1]) for a, b in zip(caches, self._caches))
+            and not self._native.stale()
+        ):
             return self._native
         self._native = None  # a failed build leaves no stale plan behind
         native = self._build(model, ctx)
@@ -76,7 +93,7 @@ class DecodePlan:
         self.builds += 1
         return native
 
-    def _build(self, model: "MuseSparkForCausalLM", ctx: "AttentionContext") -> Any:
+    def _build(self, model: MuseSparkForCausalLM, ctx: AttentionContext) -> Any:
         backend, caches, layer_group = self.backend, ctx.kv_caches, ctx.layer_group
         assert caches is not None and layer_group is not None
         native = torch.classes.musespark_cpu.DecodePlan()
@@ -99,7 +116,9 @@ class DecodePlan:
             native.set_attn_out(i, *backend._attn_out_args(layer))
             getattr(native, "set_" + ffn)(i, *backend._ffn_args(ffn, layer))
             for op in ("attn_in", "attn_out", ffn):  # the tensors the argument caches' fingerprints hold
-                sources.update((id(obj), obj) for _, _, obj, ptr, _ in backend.args.checks(op, layer) if ptr is not None)
+                sources.update(
+                    (id(obj), obj) for _, _, obj, ptr, _ in backend.args.checks(op, layer) if ptr is not None
+                )
         embedding, norm = model.embed_tokens.weight, model.norm
         self._embeds = embedding.dtype == torch.bfloat16  # CpuBackend.embed's native case
         if self._embeds:

@@ -21,11 +21,12 @@ class TorchBackend(Backend):
     name = "torch"
     supports_autograd = True
 
-    def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
         return rms(model.embed_tokens(input_ids), model.config.rms_norm_eps)
 
-    def attn_in(self, layer: "DecoderLayer", s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attn_in(
+        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         attn, T, D = layer.self_attn, s.shape[0], layer.self_attn.head_dim
         h = layer.input_layernorm(s, out_dtype=dtype)
         q = norm_rope(attn.q_proj(h).view(T, attn.num_heads, D), attn.eps, attn.qk_scale, rotary, dtype)
@@ -34,33 +35,40 @@ class TorchBackend(Backend):
         g = attn.gate_proj(h).view(T, attn.num_heads, D)
         return q, k, v, g
 
-    def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def attention(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
         return paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window)
 
-    def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         attn, T = layer.self_attn, s.shape[0]
         o = (rms(o, attn.eps) * torch.sigmoid(g.float())).to(o.dtype)  # O-norm, then sigmoid gate
         a = attn.o_proj(o.reshape(T, attn.num_heads * attn.head_dim))
         return layer.post_attention_residual_gate(s, rms(a, layer.post_norm_eps))  # weightless post-norm
 
-    def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._ffn(layer, s, dtype)
 
-    def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._ffn(layer, s, dtype)
 
     @staticmethod
-    def _ffn(layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _ffn(layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b = layer.mlp(layer.pre_feedforward_layernorm(s, out_dtype=dtype))  # DenseMlp or SparseMoeBlock
         return layer.post_feedforward_residual_gate(s, layer.post_feedforward_layernorm(b, out_dtype=torch.float32))
 
-    def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return model.norm(s, out_dtype=dtype)
 
-    def logits(self, model: "MuseSparkForCausalLM", y: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: MuseSparkForCausalLM, y: torch.Tensor) -> torch.Tensor:
         cap = model.config.final_logit_softcapping
         # Vocab-parallel head: gather every rank's block (exact), drop the padding past V.
-        x = model.parallel.gather_last_dim(model.lm_head(y))[..., :model.config.vocab_size]
+        x = model.parallel.gather_last_dim(model.lm_head(y))[..., : model.config.vocab_size]
         x = x.float() * model.config.output_multiplier
         return cap * torch.tanh(x / cap)

@@ -46,16 +46,19 @@ class TritonBackend(TorchBackend):
     name = "triton"
     supports_autograd = False
 
-    def __init__(self, model: "MuseSparkForCausalLM") -> None:
+    def __init__(self, model: MuseSparkForCausalLM) -> None:
         """Raises ValueError naming the reason when the kernels cannot run this model here."""
         if not triton_kernels.available():
-            raise ValueError("backend='triton' needs the `triton` package, which does not import here; "
-                             "use backend='torch' or 'auto'")
+            raise ValueError(
+                "backend='triton' needs the `triton` package, which does not import here; use backend='torch' or 'auto'"
+            )
         device = model.device
         if device.type == "cpu":
             if not triton_kernels.interpreting():
-                raise ValueError("backend='triton' runs models on a CUDA device; on the CPU only under "
-                                 "TRITON_INTERPRET=1 (tests). Use backend='cpu', 'torch' or 'auto'")
+                raise ValueError(
+                    "backend='triton' runs models on a CUDA device; on the CPU only under "
+                    "TRITON_INTERPRET=1 (tests). Use backend='cpu', 'torch' or 'auto'"
+                )
         elif device.type != "cuda":
             raise ValueError(f"backend='triton' runs models on a CUDA device; this model is on {device}")
         if model.parallel.world_size > 1:
@@ -65,8 +68,10 @@ class TritonBackend(TorchBackend):
         from ..quant.dense import DenseExperts
 
         if device.type == "cpu" and not interpreted():
-            raise ValueError("backend='triton' on the CPU needs TRITON_INTERPRET=1 set before the Triton "
-                             "kernels were first imported in this process")
+            raise ValueError(
+                "backend='triton' on the CPU needs TRITON_INTERPRET=1 set before the Triton "
+                "kernels were first imported in this process"
+            )
 
         self._k_attention, self._k_experts, self._k_norm = attention, experts, norm_residual
         self._k_ogate, self._k_qk, self._k_route = o_norm_gate, qk_norm_rope, routing
@@ -91,24 +96,41 @@ class TritonBackend(TorchBackend):
             return pending[3]
         return self._k_norm.rms_norm(s, norm.eps, norm.gain(), dtype)
 
-    def _residual(self, s: torch.Tensor, branch: torch.Tensor, gate: nn.Module, post_eps: float,
-                  post: RMSNorm | None, nxt: RMSNorm | None, dtype: torch.dtype) -> torch.Tensor:
+    def _residual(
+        self,
+        s: torch.Tensor,
+        branch: torch.Tensor,
+        gate: nn.Module,
+        post_eps: float,
+        post: RMSNorm | None,
+        nxt: RMSNorm | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """gate(s, post_norm(branch)) -> s' fp32, computing nxt(s') beside it when nxt is known."""
         alpha, beta = gate.coefficients_cached()
         s2, h = self._k_norm.norm_residual(
-            s, branch, alpha, beta, post_eps, post.gain() if post is not None else None,
-            nxt.gain() if nxt is not None else None, nxt.eps if nxt is not None else 0.0, dtype,
-            next_norm=nxt is not None)
+            s,
+            branch,
+            alpha,
+            beta,
+            post_eps,
+            post.gain() if post is not None else None,
+            nxt.gain() if nxt is not None else None,
+            nxt.eps if nxt is not None else 0.0,
+            dtype,
+            next_norm=nxt is not None,
+        )
         self._pending = (s2, nxt, dtype, h) if nxt is not None else None
         return s2
 
     # -- the steps ----------------------------------------------------------------------------
-    def embed(self, model: "MuseSparkForCausalLM", input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
         self._pending = None
         return self._k_norm.rms_norm(model.embed_tokens(input_ids), model.config.rms_norm_eps, None, torch.float32)
 
-    def attn_in(self, layer: "DecoderLayer", s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attn_in(
+        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         attn, T, D = layer.self_attn, s.shape[0], layer.self_attn.head_dim
         h = self._norm(s, layer.input_layernorm, dtype)
         q = self._k_qk.qk_norm_rope(attn.q_proj(h).view(T, attn.num_heads, D), attn.eps, attn.qk_scale, rotary, dtype)
@@ -117,46 +139,69 @@ class TritonBackend(TorchBackend):
         g = attn.gate_proj(h).view(T, attn.num_heads, D)
         return q, k, v, g
 
-    def attention(self, attn: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def attention(
+        self,
+        attn: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
         group = attn.num_heads // attn.num_kv_heads
         cached = self._meta
         if cached is None or cached[0] is not ctx or cached[1].group != group:  # once per step, not per layer
             self._meta = cached = (ctx, self._k_attention.attention_meta(ctx, group, q.device))
-        return self._k_attention.paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window,
-                                                 meta=cached[1])
+        return self._k_attention.paged_attention(
+            q, k, v, positions, ctx, attn.layer, attn.scale, attn.window, meta=cached[1]
+        )
 
-    def attn_out(self, layer: "DecoderLayer", s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         attn, T = layer.self_attn, s.shape[0]
         o = self._k_ogate.o_norm_gate(o, g, attn.eps)
         a = attn.o_proj(o.reshape(T, attn.num_heads * attn.head_dim))
-        return self._residual(s, a, layer.post_attention_residual_gate, layer.post_norm_eps, None,
-                              layer.pre_feedforward_layernorm, o.dtype)
+        return self._residual(
+            s,
+            a,
+            layer.post_attention_residual_gate,
+            layer.post_norm_eps,
+            None,
+            layer.pre_feedforward_layernorm,
+            o.dtype,
+        )
 
-    def dense_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b = layer.mlp(self._norm(s, layer.pre_feedforward_layernorm, dtype))
         return self._ffn_out(layer, s, b, dtype)
 
-    def moe_ffn(self, layer: "DecoderLayer", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         mlp = layer.mlp
         f = self._norm(s, layer.pre_feedforward_layernorm, dtype)
         experts = mlp.experts
         if not isinstance(experts.format, self._dense_experts):
             return self._ffn_out(layer, s, mlp(f), dtype)  # other expert formats: the reference block
         router, pre = mlp.gate, mlp.pre_expert_norm
-        weights, ids = self._k_route.route_topk(f, router.weight, router.e_score_correction_bias, router.top_k,
-                                                router.output_multiplier, router.routed_scaling_factor)
+        weights, ids = self._k_route.route_topk(
+            f,
+            router.weight,
+            router.e_score_correction_bias,
+            router.top_k,
+            router.output_multiplier,
+            router.routed_scaling_factor,
+        )
         u = self._k_norm.rms_norm(mlp.pre_expert_proj(f), pre.eps, pre.gain(), dtype)  # pooled [T, Hm]
         post = experts.post_expert_norm
-        y = self._k_experts.moe_experts(u, weights, ids, experts.gate_up_proj, experts.down_proj, post.gain(),
-                                        post.eps)  # [T, Hm] fp32
+        y = self._k_experts.moe_experts(
+            u, weights, ids, experts.gate_up_proj, experts.down_proj, post.gain(), post.eps
+        )  # [T, Hm] fp32
         return self._ffn_out(layer, s, mlp.post_expert_proj(y.to(f.dtype)), dtype)
 
-    def _ffn_out(self, layer: "DecoderLayer", s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _ffn_out(self, layer: DecoderLayer, s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         post = layer.post_feedforward_layernorm
         assert post.input_scaled
-        return self._residual(s, b, layer.post_feedforward_residual_gate, post.eps, post,
-                              self._next_norm.get(layer), dtype)
+        return self._residual(
+            s, b, layer.post_feedforward_residual_gate, post.eps, post, self._next_norm.get(layer), dtype
+        )
 
-    def final_norm(self, model: "MuseSparkForCausalLM", s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._norm(s, model.norm, dtype)

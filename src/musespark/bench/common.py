@@ -53,8 +53,9 @@ def git_commit() -> str | None:
     except OSError:
         pass
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
         return out or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -87,14 +88,15 @@ def machine() -> dict[str, Any]:
         info["batch_invariant"] = kernels.batch_invariant()
         chosen = kernels.expert_panels_chosen  # None: no cpu backend was made in this run
         info["expert_panels"] = kernels.expert_panels_setting() + (
-            "" if chosen is None else ": packed" if chosen else ": not packed")
+            "" if chosen is None else ": packed" if chosen else ": not packed"
+        )
     return info
 
 
 def versions() -> dict[str, str | None]:
-    from .. import __version__
-
     from importlib import metadata
+
+    from .. import __version__
 
     out: dict[str, str | None] = {"python": platform.python_version(), "musespark": __version__}
     for name in ("torch", "numpy", "transformers", "httpx", "xgrammar"):
@@ -111,8 +113,12 @@ def versions() -> dict[str, str | None]:
 
 def environment() -> dict[str, Any]:
     """The keys every benchmark's JSON line ends with."""
-    return {"machine": machine(), "versions": versions(), "commit": git_commit(),
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    return {
+        "machine": machine(),
+        "versions": versions(),
+        "commit": git_commit(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
 
 
 def print_json(result: dict[str, Any]) -> None:

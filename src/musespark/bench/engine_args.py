@@ -20,15 +20,30 @@ BENCH_DEFAULTS = {"max_num_seqs": 256, "enable_prefix_caching": False}
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, defaults=BENCH_DEFAULTS)
-    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="a random-weight checkpoint made on the fly (cached) instead of --model")
-    p.add_argument("--cache-dir", default=None, help="where preset checkpoints are kept "
-                   "(default: $MUSESPARK_BENCH_CACHE or ~/.cache/musespark/bench)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="a random-weight checkpoint made on the fly (cached) instead of --model",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where preset checkpoints are kept (default: $MUSESPARK_BENCH_CACHE or ~/.cache/musespark/bench)",
+    )
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--quantization", default=None, choices=["nvfp4"],
-                   help="quantize the model (a preset or --model) on the fly, cached: NVFP4 (musespark quantize)")
-    p.add_argument("--nvfp4-scope", default="linear", choices=["linear", "experts"],
-                   help="with --quantization nvfp4: every linear but the head, or the experts (Muse's choice)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["nvfp4"],
+        help="quantize the model (a preset or --model) on the fly, cached: NVFP4 (musespark quantize)",
+    )
+    p.add_argument(
+        "--nvfp4-scope",
+        default="linear",
+        choices=["linear", "experts"],
+        help="with --quantization nvfp4: every linear but the head, or the experts (Muse's choice)",
+    )
 
 
 def build_llm(args: argparse.Namespace, needed_len: int):
@@ -43,10 +58,10 @@ def build_llm(args: argparse.Namespace, needed_len: int):
         torch.set_num_threads(args.num_threads)
     path = resolve_model(args.model, args.preset, args.dtype, args.cache_dir, seed=0)
     if getattr(args, "quantization", None) == "nvfp4":
-        path = nvfp4_checkpoint(path if path is not None else default_model_path(), args.nvfp4_scope,
-                                args.cache_dir)
-    engine_args = dataclasses.replace(EngineArgs.from_cli_args(args), model=path,
-                                      max_model_len=args.max_model_len or max(needed_len + 1, 64))
+        path = nvfp4_checkpoint(path if path is not None else default_model_path(), args.nvfp4_scope, args.cache_dir)
+    engine_args = dataclasses.replace(
+        EngineArgs.from_cli_args(args), model=path, max_model_len=args.max_model_len or max(needed_len + 1, 64)
+    )
     llm = LLM(**vars(engine_args))
     return llm, path
 
@@ -56,9 +71,12 @@ def model_info(llm: Any, path: Any) -> dict[str, Any]:
 
     cfg = llm.engine.config
     counts = count_params(cfg)
-    return {"model": str(path) if path is not None else str(llm.engine.model_path),
-            "dtype": str(llm.engine.model.dtype).removeprefix("torch."),
-            "params_total": counts.total, "params_active": counts.active}
+    return {
+        "model": str(path) if path is not None else str(llm.engine.model_path),
+        "dtype": str(llm.engine.model.dtype).removeprefix("torch."),
+        "params_total": counts.total,
+        "params_active": counts.active,
+    }
 
 
 def random_prompt(rng: random.Random, length: int, vocab_size: int) -> dict[str, list[int]]:
@@ -75,8 +93,12 @@ def spec_decode_summary(llm: Any) -> dict[str, Any] | None:
         return None
     s = llm.engine.get_stats()
     drafts, draft_tokens = s.spec_num_drafts, s.spec_num_draft_tokens
-    return {"config": spec.to_dict(), "num_drafts": drafts, "num_draft_tokens": s.spec_num_draft_tokens,
-            "num_accepted_tokens": s.spec_num_accepted_tokens,
-            "mean_acceptance_length": 1 + s.spec_num_accepted_tokens / drafts if drafts else None,
-            "acceptance_rate": s.spec_num_accepted_tokens / draft_tokens if draft_tokens else None,
-            "accepted_per_position": list(s.spec_accepted_per_pos)}
+    return {
+        "config": spec.to_dict(),
+        "num_drafts": drafts,
+        "num_draft_tokens": s.spec_num_draft_tokens,
+        "num_accepted_tokens": s.spec_num_accepted_tokens,
+        "mean_acceptance_length": 1 + s.spec_num_accepted_tokens / drafts if drafts else None,
+        "acceptance_rate": s.spec_num_accepted_tokens / draft_tokens if draft_tokens else None,
+        "accepted_per_position": list(s.spec_accepted_per_pos),
+    }

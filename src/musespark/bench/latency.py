@@ -74,9 +74,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     decode_time = sum(decode_steps)
     decode_tokens = args.batch_size * (args.output_len - 1) * args.num_iters
     return {
-        "benchmark": "latency", **model_info(llm, path),
-        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
-        "num_iters": args.num_iters, "num_iters_warmup": args.num_iters_warmup, "seed": args.seed,
+        "benchmark": "latency",
+        **model_info(llm, path),
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "num_iters_warmup": args.num_iters_warmup,
+        "seed": args.seed,
         "avg_latency_s": sum(latencies) / len(latencies),
         "latency_ms": percentiles(latencies, ps=(10, 25, 50, 75, 90, 99)),
         "prefill_ms": percentiles(prefills),

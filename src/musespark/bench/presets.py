@@ -40,22 +40,55 @@ _SPECIAL = dict(bos_token_id=1, eos_token_id=2)
 
 PRESETS: dict[str, dict[str, Any] | None] = {
     "bench-small": dict(
-        vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-        moe_hidden_size=512, moe_intermediate_size=512, num_local_experts=32, num_experts_per_tok=4,
-        sliding_window=512, mlp_layer_types=("dense",) + ("sparse",) * 11, **_SPECIAL),
+        vocab_size=32768,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        moe_hidden_size=512,
+        moe_intermediate_size=512,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=512,
+        mlp_layer_types=("dense",) + ("sparse",) * 11,
+        **_SPECIAL,
+    ),
     "bench-tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        moe_hidden_size=32, moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-        sliding_window=32, mlp_layer_types=("dense", "sparse", "sparse", "sparse"), **_SPECIAL),
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_hidden_size=32,
+        moe_intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=32,
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        **_SPECIAL,
+    ),
     "tiny": None,  # the bundled checkpoint
     "muse-spark-open-816b": dict(
-        vocab_size=202048, hidden_size=8192, intermediate_size=16384, num_hidden_layers=62,
-        num_attention_heads=128, num_key_value_heads=16, head_dim=64,
-        moe_hidden_size=4096, moe_intermediate_size=4096, num_local_experts=256, num_experts_per_tok=8,
-        sliding_window=2048, mlp_layer_types=("sparse",) * 62, tie_word_embeddings=False,
-        layer_types=tuple("full_attention" if (61 - i) % 4 == 0 else "sliding_attention" for i in range(62))),
+        vocab_size=202048,
+        hidden_size=8192,
+        intermediate_size=16384,
+        num_hidden_layers=62,
+        num_attention_heads=128,
+        num_key_value_heads=16,
+        head_dim=64,
+        moe_hidden_size=4096,
+        moe_intermediate_size=4096,
+        num_local_experts=256,
+        num_experts_per_tok=8,
+        sliding_window=2048,
+        mlp_layer_types=("sparse",) * 62,
+        tie_word_embeddings=False,
+        layer_types=tuple("full_attention" if (61 - i) % 4 == 0 else "sliding_attention" for i in range(62)),
+    ),
 }
 # Presets that describe a shape only (planning): no checkpoint is ever made for them.
 CONFIG_ONLY = frozenset({"muse-spark-open-816b"})
@@ -124,16 +157,19 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "musespark" / "bench"
 
 
-def make_checkpoint(preset: str, dtype: str | torch.dtype = "bfloat16", cache_dir: str | Path | None = None,
-                    seed: int = 0) -> Path:
+def make_checkpoint(
+    preset: str, dtype: str | torch.dtype = "bfloat16", cache_dir: str | Path | None = None, seed: int = 0
+) -> Path:
     """The checkpoint directory for `preset` at `dtype`: the bundled one for 'tiny', else a
     seeded random checkpoint written once to <cache_dir>/<preset>-<dtype>-seed<seed> and reused."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if preset in CONFIG_ONLY:
-        raise ValueError(f"preset {preset!r} is a config only (for `musespark plan`): it has no weights and is "
-                         f"too large for a random checkpoint; choose one of "
-                         f"{sorted(set(PRESETS) - CONFIG_ONLY)} or pass --model DIR")
+        raise ValueError(
+            f"preset {preset!r} is a config only (for `musespark plan`): it has no weights and is "
+            f"too large for a random checkpoint; choose one of "
+            f"{sorted(set(PRESETS) - CONFIG_ONLY)} or pass --model DIR"
+        )
     if PRESETS[preset] is None:
         from ..engine.args import default_model_path
 
@@ -167,8 +203,13 @@ def make_checkpoint(preset: str, dtype: str | torch.dtype = "bfloat16", cache_di
     return path
 
 
-def resolve_model(model: str | Path | None, preset: str | None, dtype: str = "auto",
-                  cache_dir: str | Path | None = None, seed: int = 0) -> Path | None:
+def resolve_model(
+    model: str | Path | None,
+    preset: str | None,
+    dtype: str = "auto",
+    cache_dir: str | Path | None = None,
+    seed: int = 0,
+) -> Path | None:
     """--model DIR wins; else --preset NAME (random weights at --dtype, bfloat16 for 'auto');
     else None (the bundled model)."""
     if model is not None and preset is not None:

@@ -29,12 +29,14 @@ import numpy as np
 
 from .common import parse_range, percentiles, print_json
 
-WORDS = ("the a of to and in is it that for on with as was at by be this have from or one had not but what all "
-         "were when we there can an your which their said if do will each about how up out them then she many "
-         "some so these would other into has more her two like him see time could no make than first been its "
-         "who now people my made over did down only way find use may water long little very after words called "
-         "just where most know get through back much before go good new write our used me man too any day same "
-         "right look think also around another came come work three word must because does part even place well").split()
+WORDS = (
+    "the a of to and in is it that for on with as was at by be this have from or one had not but what all "
+    "were when we there can an your which their said if do will each about how up out them then she many "
+    "some so these would other into has more her two like him see time could no make than first been its "
+    "who now people my made over did down only way find use may water long little very after words called "
+    "just where most know get through back much before go good new write our used me man too any day same "
+    "right look think also around another came come work three word must because does part even place well"
+).split()
 
 
 @dataclass
@@ -98,8 +100,14 @@ def make_requests(args: argparse.Namespace, model: str | None) -> list[dict]:
     bodies = []
     for _ in range(args.num_prompts):
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo_in, hi_in)))
-        body = {"prompt": prompt, "max_tokens": rng.randint(lo_out, hi_out), "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": prompt,
+            "max_tokens": rng.randint(lo_out, hi_out),
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if model:
             body["model"] = model
         bodies.append(body)
@@ -140,17 +148,28 @@ async def run_async(args: argparse.Namespace) -> dict[str, Any]:
     in_tokens = sum(r.prompt_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "benchmark": "serve", "model": model, "base_url": args.base_url, "num_prompts": args.num_prompts,
+        "benchmark": "serve",
+        "model": model,
+        "base_url": args.base_url,
+        "num_prompts": args.num_prompts,
         "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-        "max_concurrency": args.max_concurrency, "seed": args.seed,
-        "input_len_range_words": list(args.input_len_range), "output_len_range": list(args.output_len_range),
-        "completed": len(ok), "failed": len(results) - len(ok),
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "input_len_range_words": list(args.input_len_range),
+        "output_len_range": list(args.output_len_range),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "request_throughput_rps": len(ok) / duration, "output_throughput_tok_s": out_tokens / duration,
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput_rps": len(ok) / duration,
+        "output_throughput_tok_s": out_tokens / duration,
         "total_token_throughput_tok_s": (in_tokens + out_tokens) / duration,
-        "ttft_ms": percentiles([r.ttft for r in ok]), "tpot_ms": percentiles(tpot),
-        "itl_ms": percentiles([x for r in ok for x in r.itl]), "e2el_ms": percentiles([r.e2e for r in ok]),
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles([x for r in ok for x in r.itl]),
+        "e2el_ms": percentiles([r.e2e for r in ok]),
     }
 
 
@@ -173,8 +192,10 @@ def main(args: argparse.Namespace) -> int:
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (inf: all at once)")
     out = asyncio.run(run_async(args))
-    print(f"completed {out['completed']}/{args.num_prompts} in {out['duration_s']:.2f} s; "
-          f"{out['request_throughput_rps']:.2f} req/s, {out['output_throughput_tok_s']:.1f} output tok/s")
+    print(
+        f"completed {out['completed']}/{args.num_prompts} in {out['duration_s']:.2f} s; "
+        f"{out['request_throughput_rps']:.2f} req/s, {out['output_throughput_tok_s']:.1f} output tok/s"
+    )
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         s = out[name]
         print(f"  {name:8s} mean {s['mean']:9.2f}  p50 {s['p50']:9.2f}  p90 {s['p90']:9.2f}  p99 {s['p99']:9.2f}")

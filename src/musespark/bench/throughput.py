@@ -24,12 +24,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=parse_range, default=(16, 512), help="prompt tokens: N or LO,HI")
     p.add_argument("--output-len", type=parse_range, default=(16, 512), help="output tokens: N or LO,HI")
-    p.add_argument("--num-iters-warmup", type=int, default=1, help="untimed runs of the same workload first "
-                   "(bf16 on CPU pays a large one-time cost per new shape)")
+    p.add_argument(
+        "--num-iters-warmup",
+        type=int,
+        default=1,
+        help="untimed runs of the same workload first (bf16 on CPU pays a large one-time cost per new shape)",
+    )
 
 
-def make_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
-                  seed: int) -> list[tuple[dict, int]]:
+def make_workload(
+    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int
+) -> list[tuple[dict, int]]:
     """[(prompt, output_len)] seeded; lengths uniform in the inclusive ranges."""
     rng = random.Random(seed)
     lens = [(rng.randint(*input_len), rng.randint(*output_len)) for _ in range(num_prompts)]
@@ -51,10 +56,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
-        "benchmark": "throughput", **model_info(llm, path),
-        "num_prompts": args.num_prompts, "input_len": list(args.input_len), "output_len": list(args.output_len),
-        "seed": args.seed, "elapsed_s": elapsed, "total_prompt_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "requests_per_s": len(outs) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+        "benchmark": "throughput",
+        **model_info(llm, path),
+        "num_prompts": args.num_prompts,
+        "input_len": list(args.input_len),
+        "output_len": list(args.output_len),
+        "seed": args.seed,
+        "elapsed_s": elapsed,
+        "total_prompt_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "requests_per_s": len(outs) / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
         "speculative": spec_decode_summary(llm),
     }
@@ -62,9 +74,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     out = run(args)
-    print(f"{out['num_prompts']} requests ({out['total_prompt_tokens']} prompt + {out['total_output_tokens']} "
-          f"output tokens) in {out['elapsed_s']:.2f} s")
-    print(f"  {out['requests_per_s']:.2f} requests/s, {out['output_tokens_per_s']:.1f} output tokens/s, "
-          f"{out['total_tokens_per_s']:.1f} total tokens/s")
+    print(
+        f"{out['num_prompts']} requests ({out['total_prompt_tokens']} prompt + {out['total_output_tokens']} "
+        f"output tokens) in {out['elapsed_s']:.2f} s"
+    )
+    print(
+        f"  {out['requests_per_s']:.2f} requests/s, {out['output_tokens_per_s']:.1f} output tokens/s, "
+        f"{out['total_tokens_per_s']:.1f} total tokens/s"
+    )
     print_json(out)
     return 0

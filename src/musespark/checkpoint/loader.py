@@ -10,9 +10,8 @@ never unpickled.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
 from pathlib import Path
-from collections.abc import Collection
-from typing import Callable
 
 import torch
 
@@ -26,8 +25,13 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-    "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
     "float": torch.float32,
 }
 
@@ -74,7 +78,8 @@ def find_weight_files(path: Path) -> list[Path]:
     if pickles:
         raise ValueError(
             f"{path}: found only pickle checkpoint file(s) {pickles}; musespark never unpickles weights "
-            "(a pickle can run arbitrary code). Convert the checkpoint to safetensors.")
+            "(a pickle can run arbitrary code). Convert the checkpoint to safetensors."
+        )
     raise ValueError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE})")
 
 
@@ -118,21 +123,26 @@ def read_state_dict(
                 if name is None or name in skip:  # vision/audio tower; another pipeline stage's tensor
                     continue
                 if name not in shapes:
-                    raise ValueError(f"{file}: unexpected tensor {disk_name!r} (not part of the text decoder "
-                                     "this config describes)")
+                    raise ValueError(
+                        f"{file}: unexpected tensor {disk_name!r} (not part of the text decoder this config describes)"
+                    )
                 if name in loaded:
                     raise ValueError(f"{file}: tensor {disk_name!r} appears twice (also in {where[name]})")
                 if entry.shape != shapes[name]:
-                    raise ValueError(f"{file}: tensor {disk_name!r} has shape {list(entry.shape)}, "
-                                     f"expected {list(shapes[name])}")
+                    raise ValueError(
+                        f"{file}: tensor {disk_name!r} has shape {list(entry.shape)}, expected {list(shapes[name])}"
+                    )
                 fixed = specs[name].dtype
                 if fixed is not None and fixed not in _WIDENED and entry.dtype != fixed:  # packed codes, fp8 scales
                     raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected {fixed}")
                 if (fixed is None or fixed in _WIDENED) and entry.dtype not in _FLOATS:
                     raise ValueError(f"{file}: tensor {disk_name!r} has dtype {entry.dtype}, expected a float type")
                 shard = specs[name].shard
-                tensor = st.read(disk_name, fixed or dtype) if shard is None else \
-                    st.read_shard(disk_name, shard.dim, shard.pieces, fixed or dtype)
+                tensor = (
+                    st.read(disk_name, fixed or dtype)
+                    if shard is None
+                    else st.read_shard(disk_name, shard.dim, shard.pieces, fixed or dtype)
+                )
                 loaded[name] = tensor.to(device)
                 where[name] = file
                 if progress is not None:
@@ -144,6 +154,5 @@ def read_state_dict(
     if missing:
         shown = ", ".join(f"{n!r} (expected shape {list(shapes[n])})" for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(f"{path}: checkpoint is missing tensor(s) {shown}{more} "
-                         f"(searched {[f.name for f in files]})")
+        raise ValueError(f"{path}: checkpoint is missing tensor(s) {shown}{more} (searched {[f.name for f in files]})")
     return loaded

@@ -61,7 +61,7 @@ class TensorSpec:
         if self.shard is None:
             return self.shape
         d = self.shard.dim
-        return self.shape[:d] + (self.shard.full,) + self.shape[d + 1:]
+        return self.shape[:d] + (self.shard.full,) + self.shape[d + 1 :]
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,10 @@ class Shard:
 
 def dense_specs(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """`expected_shapes` as specs: fp32 where `keeps_fp32`, else the model dtype."""
-    return {name: TensorSpec(shape, torch.float32 if keeps_fp32(name) else None)
-            for name, shape in expected_shapes(cfg).items()}
+    return {
+        name: TensorSpec(shape, torch.float32 if keeps_fp32(name) else None)
+        for name, shape in expected_shapes(cfg).items()
+    }
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -89,35 +91,41 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {EMBED: (V, H)}
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (nH * D, H),
-            p + "self_attn.k_proj.weight": (nKV * D, H),
-            p + "self_attn.v_proj.weight": (nKV * D, H),
-            p + "self_attn.gate_proj.weight": (nH * D, H),
-            p + "self_attn.o_proj.weight": (H, nH * D),
-            p + "post_attention_residual_gate.gate": (H,),
-            p + "pre_feedforward_layernorm.weight": (H,),
-            p + "post_feedforward_layernorm.weight": (H,),
-            p + "post_feedforward_residual_gate.gate": (H,),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (nH * D, H),
+                p + "self_attn.k_proj.weight": (nKV * D, H),
+                p + "self_attn.v_proj.weight": (nKV * D, H),
+                p + "self_attn.gate_proj.weight": (nH * D, H),
+                p + "self_attn.o_proj.weight": (H, nH * D),
+                p + "post_attention_residual_gate.gate": (H,),
+                p + "pre_feedforward_layernorm.weight": (H,),
+                p + "post_feedforward_layernorm.weight": (H,),
+                p + "post_feedforward_residual_gate.gate": (H,),
+            }
+        )
         if cfg.is_sparse(i):
-            shapes.update({
-                p + "mlp.gate.weight": (E, H),
-                p + "mlp.gate.e_score_correction_bias": (E,),
-                p + "mlp.pre_expert_proj.weight": (Hm, H),
-                p + "mlp.pre_expert_norm.weight": (Hm,),
-                p + "mlp.experts.gate_up_proj": (E, 2 * Im, Hm),
-                p + "mlp.experts.down_proj": (E, Hm, Im),
-                p + "mlp.experts.post_expert_norm.weight": (Hm,),
-                p + "mlp.post_expert_proj.weight": (H, Hm),
-            })
+            shapes.update(
+                {
+                    p + "mlp.gate.weight": (E, H),
+                    p + "mlp.gate.e_score_correction_bias": (E,),
+                    p + "mlp.pre_expert_proj.weight": (Hm, H),
+                    p + "mlp.pre_expert_norm.weight": (Hm,),
+                    p + "mlp.experts.gate_up_proj": (E, 2 * Im, Hm),
+                    p + "mlp.experts.down_proj": (E, Hm, Im),
+                    p + "mlp.experts.post_expert_norm.weight": (Hm,),
+                    p + "mlp.post_expert_proj.weight": (H, Hm),
+                }
+            )
         else:
-            shapes.update({
-                p + "mlp.gate_proj.weight": (I, H),
-                p + "mlp.up_proj.weight": (I, H),
-                p + "mlp.down_proj.weight": (H, I),
-            })
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (I, H),
+                    p + "mlp.up_proj.weight": (I, H),
+                    p + "mlp.down_proj.weight": (H, I),
+                }
+            )
     shapes["norm.weight"] = (H,)
     shapes[LM_HEAD] = (V, H)
     return shapes
@@ -132,9 +140,9 @@ def to_relative(name: str) -> str | None:
     if name == LM_HEAD:
         return name
     if name.startswith(NESTED_PREFIX):
-        return name[len(NESTED_PREFIX):]
+        return name[len(NESTED_PREFIX) :]
     if name.startswith(TOWER_PREFIXES):
         return None
     if name.startswith(FLAT_PREFIX):
-        return name[len(FLAT_PREFIX):]
+        return name[len(FLAT_PREFIX) :]
     return name

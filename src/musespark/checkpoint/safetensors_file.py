@@ -25,10 +25,18 @@ import torch
 from .. import hugepages
 
 _DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER = 100 * 1024 * 1024
 _COPY_CHUNK_BYTES = 8 << 20
@@ -94,10 +102,12 @@ class SafetensorsFile:
             if begin < 0 or end - begin != nbytes:
                 raise self._corrupt(
                     f"tensor {name!r} of dtype {info['dtype']} and shape {list(shape)} needs {nbytes} bytes, "
-                    f"header gives offsets [{begin}, {end}]")
+                    f"header gives offsets [{begin}, {end}]"
+                )
             if data_start + end > size:
                 raise self._corrupt(
-                    f"tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes; truncated?")
+                    f"tensor {name!r} ends at byte {data_start + end} but the file has {size} bytes; truncated?"
+                )
             entries[name] = TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
         return entries
 
@@ -119,13 +129,14 @@ class SafetensorsFile:
         flat = out.view(-1)
         step = max(1, _COPY_CHUNK_BYTES // itemsize)
         for i in range(0, flat.numel(), step):
-            flat[i:i + step].copy_(src[i:i + step])
+            flat[i : i + step].copy_(src[i : i + step])
             self._release(e.start + i * itemsize, e.start + min(flat.numel(), i + step) * itemsize)
         del src
         return out
 
-    def read_shard(self, name: str, dim: int, pieces: tuple[tuple[int, int], ...],
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def read_shard(
+        self, name: str, dim: int, pieces: tuple[tuple[int, int], ...], out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Only the (start, length) ranges of `name` along `dim`, concatenated, cast to
         `out_dtype`; ranges past the end are zero-filled. Only the pages those ranges
         touch are read (a rank of a sharded model never reads whole tensors)."""
@@ -141,8 +152,9 @@ class SafetensorsFile:
                 assert self._mmap is not None
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)
-                    src = torch.frombuffer(self._mmap, dtype=e.dtype, count=(e.end - e.start) // _itemsize(e.dtype),
-                                           offset=e.start).view(e.shape)
+                    src = torch.frombuffer(
+                        self._mmap, dtype=e.dtype, count=(e.end - e.start) // _itemsize(e.dtype), offset=e.start
+                    ).view(e.shape)
                 out.narrow(dim, at, have).copy_(src.narrow(dim, start, have))
                 del src
             at += length
@@ -165,7 +177,7 @@ class SafetensorsFile:
             self._mmap = None
         self._file.close()
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -47,8 +47,11 @@ def default_model_path() -> Path:
     env = os.environ.get(DEFAULT_MODEL_ENV)
     path = Path(env) if env else bundled_model_path()
     if not (path / "config.json").is_file():
-        raise InvalidArgumentError(f"no model given and the default model {str(path)!r} is missing; pass "
-                                   f"model=DIR (or set {DEFAULT_MODEL_ENV})", param="model")
+        raise InvalidArgumentError(
+            f"no model given and the default model {str(path)!r} is missing; pass "
+            f"model=DIR (or set {DEFAULT_MODEL_ENV})",
+            param="model",
+        )
     return path
 
 
@@ -60,48 +63,106 @@ def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
 class EngineArgs:
     """Loose engine arguments; `metadata["cli"]` holds each one's argparse settings."""
 
-    model: str | Path | None = field(default=None, metadata={"cli": _flag(
-        "checkpoint directory (default: the bundled musespark-tiny)")})
-    dtype: Any = field(default="auto", metadata={"cli": _flag(
-        "weight and activation dtype ('auto': the checkpoint's)", choices=DTYPE_CHOICES)})
-    backend: str = field(default="auto", metadata={"cli": _flag(
-        "compute backend: torch (reference), cpu (native kernels), auto (the best available)",
-        choices=BACKENDS)})
-    max_model_len: int | None = field(default=None, metadata={"cli": _flag(
-        "longest sequence, prompt plus output (default: the checkpoint's limit, at most 4096)", type=int)})
-    max_num_seqs: int = field(default=64, metadata={"cli": _flag(
-        "most sequences in one step", type=int)})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"cli": _flag(
-        "most tokens in one step (default: max(2048, min(max_model_len, 8192)))", type=int)})
+    model: str | Path | None = field(
+        default=None, metadata={"cli": _flag("checkpoint directory (default: the bundled musespark-tiny)")}
+    )
+    dtype: Any = field(
+        default="auto",
+        metadata={"cli": _flag("weight and activation dtype ('auto': the checkpoint's)", choices=DTYPE_CHOICES)},
+    )
+    backend: str = field(
+        default="auto",
+        metadata={
+            "cli": _flag(
+                "compute backend: torch (reference), cpu (native kernels), auto (the best available)", choices=BACKENDS
+            )
+        },
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={
+            "cli": _flag(
+                "longest sequence, prompt plus output (default: the checkpoint's limit, at most 4096)", type=int
+            )
+        },
+    )
+    max_num_seqs: int = field(default=64, metadata={"cli": _flag("most sequences in one step", type=int)})
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata={"cli": _flag("most tokens in one step (default: max(2048, min(max_model_len, 8192)))", type=int)},
+    )
     block_size: int = field(default=16, metadata={"cli": _flag("tokens per KV cache block", type=int)})
-    kv_cache_memory: int | None = field(default=None, metadata={"cli": _flag(
-        "KV cache size in bytes (default: a fraction of available memory)", type=int)})
-    kv_cache_fraction: float = field(default=0.2, metadata={"cli": _flag(
-        "fraction of available memory for the KV cache when --kv-cache-memory is not given", type=float)})
-    enable_prefix_caching: bool = field(default=True, metadata={"cli": _flag(
-        "reuse the KV blocks of shared prompt prefixes", action=argparse.BooleanOptionalAction)})
-    seed: int | None = field(default=0, metadata={"cli": _flag(
-        "seed of the engine's generator, used by requests without their own seed", type=int)})
-    tensor_parallel_size: int = field(default=1, metadata={"cli": _flag(
-        "tensor-parallel ranks: worker processes on this machine, joined over gloo", type=int)})
-    enable_expert_parallel: bool = field(default=False, metadata={"cli": _flag(
-        "shard the experts by expert (EP = TP group) instead of by width", action="store_true")})
-    pipeline_parallel_size: int = field(default=1, metadata={"cli": _flag(
-        "pipeline stages (the sharded model runs them; the engine does not yet)", type=int)})
-    nvfp4_mode: str = field(default="weight-only", metadata={"cli": _flag(
-        "NVFP4 checkpoints: weight-only (bf16 activations, vLLM on Hopper) or w4a4 (activations quantized "
-        "per 16, vLLM on Blackwell)", choices=("weight-only", "w4a4"))})
-    speculative_config: Any = field(default=None, metadata={"cli": _flag(
-        "speculative decoding, vLLM's JSON keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4}' or method \"dspark\" with \"model\": DRAFT_DIR (default: off)")})
-    generation_config: str = field(default="auto", metadata={"cli": _flag(
-        "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none: vLLM's "
-        "defaults), or a directory holding a generation_config.json")})
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata={"cli": _flag("KV cache size in bytes (default: a fraction of available memory)", type=int)},
+    )
+    kv_cache_fraction: float = field(
+        default=0.2,
+        metadata={
+            "cli": _flag(
+                "fraction of available memory for the KV cache when --kv-cache-memory is not given", type=float
+            )
+        },
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={"cli": _flag("reuse the KV blocks of shared prompt prefixes", action=argparse.BooleanOptionalAction)},
+    )
+    seed: int | None = field(
+        default=0,
+        metadata={"cli": _flag("seed of the engine's generator, used by requests without their own seed", type=int)},
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={"cli": _flag("tensor-parallel ranks: worker processes on this machine, joined over gloo", type=int)},
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata={"cli": _flag("shard the experts by expert (EP = TP group) instead of by width", action="store_true")},
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={"cli": _flag("pipeline stages (the sharded model runs them; the engine does not yet)", type=int)},
+    )
+    nvfp4_mode: str = field(
+        default="weight-only",
+        metadata={
+            "cli": _flag(
+                "NVFP4 checkpoints: weight-only (bf16 activations, vLLM on Hopper) or w4a4 (activations quantized "
+                "per 16, vLLM on Blackwell)",
+                choices=("weight-only", "w4a4"),
+            )
+        },
+    )
+    speculative_config: Any = field(
+        default=None,
+        metadata={
+            "cli": _flag(
+                'speculative decoding, vLLM\'s JSON keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                '"prompt_lookup_max": 4}\' or method "dspark" with "model": DRAFT_DIR (default: off)'
+            )
+        },
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "cli": _flag(
+                "sampling defaults: 'auto' (the checkpoint's generation_config.json), 'vllm' (none: vLLM's "
+                "defaults), or a directory holding a generation_config.json"
+            )
+        },
+    )
 
     # -- the command line -------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model_positional: bool = False,
-                     skip: Collection[str] = (), defaults: Mapping[str, Any] | None = None) -> None:
+    def add_cli_args(
+        cls,
+        parser: argparse.ArgumentParser,
+        *,
+        model_positional: bool = False,
+        skip: Collection[str] = (),
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None:
         """Add one flag per field (`--max-model-len` for `max_model_len`). `model_positional`
         makes MODEL an optional positional (vLLM's `serve MODEL`); `skip` leaves fields out;
         `defaults` changes a default for this command."""
@@ -138,39 +199,61 @@ class EngineArgs:
             batched = max(2048, min(max_len, 8192))
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size != 1:
-            raise InvalidArgumentError("speculative decoding does not support pipeline_parallel_size > 1 "
-                                       f"(got {self.pipeline_parallel_size})", param="speculative_config")
+            raise InvalidArgumentError(
+                f"speculative decoding does not support pipeline_parallel_size > 1 (got {self.pipeline_parallel_size})",
+                param="speculative_config",
+            )
         if speculative is not None and speculative.method == "dspark" and self.tensor_parallel_size != 1:
-            raise InvalidArgumentError("speculative method 'dspark' does not support tensor_parallel_size > 1 yet "
-                                       "(the draft reads rank 0's shard of the target); use 'ngram' or one process",
-                                       param="speculative_config")
+            raise InvalidArgumentError(
+                "speculative method 'dspark' does not support tensor_parallel_size > 1 yet "
+                "(the draft reads rank 0's shard of the target); use 'ngram' or one process",
+                param="speculative_config",
+            )
         return EngineConfig(
-            model=ModelSettings(path=path, dtype=self.dtype, backend=self.backend, seed=self.seed,
-                                generation_config=self.generation_config, nvfp4_mode=self.nvfp4_mode),
-            cache=CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
-                              kv_cache_fraction=self.kv_cache_fraction,
-                              enable_prefix_caching=self.enable_prefix_caching),
-            scheduler=SchedulerConfig(max_model_len=max_len, max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=batched),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                    pipeline_parallel_size=self.pipeline_parallel_size,
-                                    enable_expert_parallel=self.enable_expert_parallel),
+            model=ModelSettings(
+                path=path,
+                dtype=self.dtype,
+                backend=self.backend,
+                seed=self.seed,
+                generation_config=self.generation_config,
+                nvfp4_mode=self.nvfp4_mode,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=self.kv_cache_memory,
+                kv_cache_fraction=self.kv_cache_fraction,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_model_len=max_len, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
+            ),
             speculative=speculative,
         )
 
 
 # Where each EngineArgs field lands in an EngineConfig (section, attribute).
 _CONFIG_FIELD = {
-    "model": ("model", "path"), "dtype": ("model", "dtype"), "backend": ("model", "backend"),
-    "seed": ("model", "seed"), "generation_config": ("model", "generation_config"),
+    "model": ("model", "path"),
+    "dtype": ("model", "dtype"),
+    "backend": ("model", "backend"),
+    "seed": ("model", "seed"),
+    "generation_config": ("model", "generation_config"),
     "nvfp4_mode": ("model", "nvfp4_mode"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "enable_expert_parallel": ("parallel", "enable_expert_parallel"),
-    "max_model_len": ("scheduler", "max_model_len"), "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_model_len": ("scheduler", "max_model_len"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "block_size": ("cache", "block_size"), "kv_cache_memory": ("cache", "kv_cache_memory"),
-    "kv_cache_fraction": ("cache", "kv_cache_fraction"), "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "block_size": ("cache", "block_size"),
+    "kv_cache_memory": ("cache", "kv_cache_memory"),
+    "kv_cache_fraction": ("cache", "kv_cache_fraction"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
 }
 
 
@@ -187,4 +270,5 @@ def check_no_conflict(config: EngineConfig, loose: Mapping[str, Any]) -> None:
         same = Path(value) == have if name == "model" else value == have
         if not same:
             raise InvalidArgumentError(
-                f"config.{section}.{attr}={have!r} conflicts with {name}={value!r}; give one of them", param=name)
+                f"config.{section}.{attr}={have!r} conflicts with {name}={value!r}; give one of them", param=name
+            )

@@ -87,15 +87,16 @@ class KVCacheManager:
         w = self.group_windows[group]
         return 0 if w is None else max(0, first_query_pos - w + 1) // self.block_size
 
-    def _hashes(self, token_ids: Sequence[int], n_blocks: int, known: list[BlockHash],
-                root: BlockHash | None = None) -> list[BlockHash]:
+    def _hashes(
+        self, token_ids: Sequence[int], n_blocks: int, known: list[BlockHash], root: BlockHash | None = None
+    ) -> list[BlockHash]:
         """Extend `known` (in place) to the chained hashes of the first n_blocks full blocks;
         the chain starts from `root` (a cache salt's hash), so salted blocks match only
         blocks of the same salt."""
         bs = self.block_size
         while len(known) < n_blocks:
             i = len(known)
-            known.append(hash_block(known[-1] if known else root, token_ids[i * bs:(i + 1) * bs]))
+            known.append(hash_block(known[-1] if known else root, token_ids[i * bs : (i + 1) * bs]))
         return known
 
     def _cached_prefix(self, token_ids: Sequence[int], root: BlockHash | None) -> tuple[int, list[BlockHash]]:
@@ -116,8 +117,9 @@ class KVCacheManager:
                 k = n
         # Sliding groups need only the blocks the next query (at k * bs) can reach.
         while k > 0 and not all(
-            all(present[g][self._first_reachable_block(g, k * bs):k])
-            for g, w in enumerate(self.group_windows) if w is not None
+            all(present[g][self._first_reachable_block(g, k * bs) : k])
+            for g, w in enumerate(self.group_windows)
+            if w is not None
         ):
             k -= 1
         return k, hashes[:k]
@@ -192,9 +194,7 @@ class KVCacheManager:
         need = sum(n for _, n in to_add)
         revived = {b for hb in hit_blocks for b in hb if b != NULL_BLOCK and self.pool.blocks[b].ref_cnt == 0}
         # Blocks only this request holds become allocatable once released.
-        freed = sum(
-            1 for g, idx in enumerate(to_release) for i in idx if self.pool.blocks[tables[g][i]].ref_cnt == 1
-        )
+        freed = sum(1 for g, idx in enumerate(to_release) for i in idx if self.pool.blocks[tables[g][i]].ref_cnt == 1)
         if need + len(revived) > self.pool.num_free_blocks + freed:
             return False
 

@@ -50,8 +50,13 @@ def num_blocks_for_budget(
     dtype_bytes: int,
 ) -> int:
     """How many blocks fit: one block holds K and V of `block_size` tokens for every layer."""
-    for name, v in (("block_size", block_size), ("num_layers", num_layers),
-                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+    for name, v in (
+        ("block_size", block_size),
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("dtype_bytes", dtype_bytes),
+    ):
         if v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
     per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes

@@ -51,12 +51,14 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 # -- the Jinja environment (HF's) ------------------------------------------------------------
 
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # HF's override: no HTML escaping, non-ASCII kept, json.dumps' options exposed.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -93,7 +95,8 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     def _check_name(name: Any) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
-                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
+                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
+            )
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -114,10 +117,12 @@ class _GenerationBlock(jinja2.ext.Extension):
 def compile_template(source: str) -> tuple[jinja2.Template, frozenset[str]]:
     """The compiled template and the variables it reads from its context."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),
-                       namespace=_TemplateNamespace)
+    env.globals.update(
+        raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(), namespace=_TemplateNamespace
+    )
     try:
         template = env.from_string(source)
         names = frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
@@ -127,6 +132,7 @@ def compile_template(source: str) -> tuple[jinja2.Template, frozenset[str]]:
 
 
 # -- messages --------------------------------------------------------------------------------
+
 
 def _plain(value: Any) -> Any:
     """A copy made of JSON types only (the template never sees caller objects)."""
@@ -139,8 +145,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, bool):  # subclasses (enums, ...) are stripped back to the base type
         return bool(value)
     if isinstance(value, (str, int, float)):
-        return (str.__str__ if isinstance(value, str) else int.__int__ if isinstance(value, int)
-                else float.__float__)(value)
+        return (str.__str__ if isinstance(value, str) else int.__int__ if isinstance(value, int) else float.__float__)(
+            value
+        )
     return f"<{type(value).__name__}>"
 
 
@@ -154,12 +161,14 @@ def _content_text(content: Any, index: int) -> str:
             if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise InvalidArgumentError(
                     f"messages[{index}].content[{j}] must be a {{'type': 'text', 'text': str}} part, got {part!r}",
-                    param="messages")
+                    param="messages",
+                )
             texts.append(part["text"])
         return "\n".join(texts)
     raise InvalidArgumentError(
         f"messages[{index}].content must be a str or a list of text parts, got {type(content).__name__}",
-        param="messages")
+        param="messages",
+    )
 
 
 def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
@@ -170,8 +179,10 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
         where = f"messages[{index}].tool_calls[{j}]"
         fn = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidArgumentError(f"{where} must be {{'type': 'function', 'function': {{'name': str, "
-                                       f"'arguments': str}}}}, got {call!r}", param="messages")
+            raise InvalidArgumentError(
+                f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': str}}}}, got {call!r}",
+                param="messages",
+            )
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
@@ -190,8 +201,7 @@ def _tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
 def normalize_messages(messages: Any, template: str | None = None) -> list[dict[str, Any]]:
     """Check chat messages and return the copies the template sees (see the module doc)."""
     if not isinstance(messages, list):
-        raise InvalidArgumentError(f"messages must be a list of dicts, got {type(messages).__name__}",
-                                   param="messages")
+        raise InvalidArgumentError(f"messages must be a list of dicts, got {type(messages).__name__}", param="messages")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
@@ -200,8 +210,9 @@ def normalize_messages(messages: Any, template: str | None = None) -> list[dict[
             raise InvalidArgumentError(f"messages[{i}] is missing the 'role' field", param="messages")
         role = msg["role"]
         if role not in CHAT_ROLES:
-            raise InvalidArgumentError(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                                       param="messages")
+            raise InvalidArgumentError(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param="messages"
+            )
         copy = {k: v for k, v in _plain(msg).items() if v is not None}  # HF drops None-valued keys
         if "content" in copy:
             copy["content"] = _content_text(copy["content"], i)
@@ -239,6 +250,7 @@ def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 # -- tools -----------------------------------------------------------------------------------
 
+
 def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     """OpenAI tools as `[{"type": "function", "function": {name, description, parameters}}]`
     (description and parameters may be None; `strict` only when given)."""
@@ -249,20 +261,23 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise InvalidArgumentError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}, "
-                                       f"got {tool!r}", param="tools")
+            raise InvalidArgumentError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}, got {tool!r}", param="tools"
+            )
         fn = tool.get("function")
         if not isinstance(fn, Mapping):
             raise InvalidArgumentError(f"tools[{i}].function must be an object", param="tools")
         name, desc, params = fn.get("name"), fn.get("description"), fn.get("parameters")
         if not isinstance(name, str) or not name:
-            raise InvalidArgumentError(f"tools[{i}].function.name must be a non-empty string, got {name!r}",
-                                       param="tools")
+            raise InvalidArgumentError(
+                f"tools[{i}].function.name must be a non-empty string, got {name!r}", param="tools"
+            )
         if desc is not None and not isinstance(desc, str):
             raise InvalidArgumentError(f"tools[{i}].function.description must be a string", param="tools")
         if params is not None and not isinstance(params, Mapping):
-            raise InvalidArgumentError(f"tools[{i}].function.parameters must be an object, got {params!r}",
-                                       param="tools")
+            raise InvalidArgumentError(
+                f"tools[{i}].function.parameters must be an object, got {params!r}", param="tools"
+            )
         function = {"name": name, "description": desc, "parameters": _plain(params)}
         if fn.get("strict") is not None:
             if not isinstance(fn["strict"], bool):
@@ -279,23 +294,29 @@ def check_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> N
         return
     if isinstance(tool_choice, str):
         if tool_choice not in ("auto", "required"):
-            raise InvalidArgumentError(f"tool_choice must be 'none', 'auto', 'required' or a named function, "
-                                       f"got {tool_choice!r}", param="tool_choice")
+            raise InvalidArgumentError(
+                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
+                param="tool_choice",
+            )
         name = None
     else:
         fn = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
-            raise InvalidArgumentError("tool_choice must be {'type': 'function', 'function': {'name': str}}, "
-                                       f"got {tool_choice!r}", param="tool_choice")
+            raise InvalidArgumentError(
+                f"tool_choice must be {{'type': 'function', 'function': {{'name': str}}}}, got {tool_choice!r}",
+                param="tool_choice",
+            )
     if not tools:
         raise InvalidArgumentError("when tool_choice is not 'none', tools must be given", param="tool_choice")
     if name is not None and name not in {t["function"]["name"] for t in tools}:
-        raise InvalidArgumentError(f"tool_choice names the function {name!r}, which is not in tools",
-                                   param="tool_choice")
+        raise InvalidArgumentError(
+            f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice"
+        )
 
 
 # -- kwargs ----------------------------------------------------------------------------------
+
 
 def parse_reasoning_effort_map(value: str | Mapping[str, Any] | None) -> dict[str, str]:
     """`--reasoning-effort-map`: a JSON object from effort names to template values. Missing
@@ -303,11 +324,14 @@ def parse_reasoning_effort_map(value: str | Mapping[str, Any] | None) -> dict[st
     value = parse_template_kwargs(value, "reasoning_effort_map")
     bad = sorted(set(value) - set(REASONING_EFFORTS))
     if bad:
-        raise InvalidArgumentError(f"reasoning effort map has unknown effort(s) {bad}; known: "
-                                   f"{list(REASONING_EFFORTS)}", param="reasoning_effort_map")
+        raise InvalidArgumentError(
+            f"reasoning effort map has unknown effort(s) {bad}; known: {list(REASONING_EFFORTS)}",
+            param="reasoning_effort_map",
+        )
     if not all(isinstance(v, str) and v for v in value.values()):
-        raise InvalidArgumentError("reasoning effort map values must be non-empty strings",
-                                   param="reasoning_effort_map")
+        raise InvalidArgumentError(
+            "reasoning effort map values must be non-empty strings", param="reasoning_effort_map"
+        )
     return dict(value)
 
 
@@ -329,23 +353,35 @@ def _overrides(layer: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in layer.items() if v is not None and not (isinstance(v, str) and v == "auto")}
 
 
-def template_kwargs(defaults: Mapping[str, Any] | None, request_kwargs: Mapping[str, Any] | None, *,
-                    tools: Any = None, documents: Any = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, reasoning_effort: str | None = None,
-                    reasoning_effort_map: Mapping[str, str] | None = None) -> dict[str, Any]:
+def template_kwargs(
+    defaults: Mapping[str, Any] | None,
+    request_kwargs: Mapping[str, Any] | None,
+    *,
+    tools: Any = None,
+    documents: Any = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    reasoning_effort: str | None = None,
+    reasoning_effort_map: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """All template kwargs of one request, lowest precedence first: `defaults` (the server's
     --default-chat-template-kwargs), the request's `chat_template_kwargs`, then the request's
     fields. None and "auto" never override. A set `reasoning_effort` is mapped through
     `reasoning_effort_map`, passed as both `reasoning_effort` and `reasoning_strength`, and
     sets `enable_thinking = effort != "none"` unless the request's kwargs set it."""
     request_kwargs = parse_template_kwargs(request_kwargs, "chat_template_kwargs")
-    fields: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
-                              "continue_final_message": continue_final_message,
-                              "documents": documents, "tools": tools}
+    fields: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "documents": documents,
+        "tools": tools,
+    }
     if reasoning_effort is not None:
         if reasoning_effort not in REASONING_EFFORTS:
-            raise InvalidArgumentError(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got "
-                                       f"{reasoning_effort!r}", param="reasoning_effort")
+            raise InvalidArgumentError(
+                f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got {reasoning_effort!r}",
+                param="reasoning_effort",
+            )
         effort = (reasoning_effort_map or {}).get(reasoning_effort, reasoning_effort)
         fields.update(reasoning_effort=effort, reasoning_strength=effort)
         if "enable_thinking" not in request_kwargs:
@@ -358,6 +394,7 @@ def template_kwargs(defaults: Mapping[str, Any] | None, request_kwargs: Mapping[
 
 # -- rendering -------------------------------------------------------------------------------
 
+
 def render(source: str, messages: Any, kwargs: Mapping[str, Any], special_tokens: Mapping[str, Any]) -> str:
     """Render `messages` with template `source` as HF's apply_chat_template does: the
     special tokens, then `kwargs` (which win; only the names the template reads are passed;
@@ -367,12 +404,13 @@ def render(source: str, messages: Any, kwargs: Mapping[str, Any], special_tokens
     add_generation_prompt = bool(kwargs.pop("add_generation_prompt", False))
     continue_final = bool(kwargs.pop("continue_final_message", False))
     if continue_final and add_generation_prompt:
-        raise InvalidArgumentError("continue_final_message and add_generation_prompt cannot both be true "
-                                   "(set add_generation_prompt to false)", param="add_generation_prompt")
+        raise InvalidArgumentError(
+            "continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt to false)",
+            param="add_generation_prompt",
+        )
     tools = normalize_tools(kwargs.pop("tools", None))
     documents = kwargs.pop("documents", None)
-    if documents is not None and not (isinstance(documents, list)
-                                      and all(isinstance(d, Mapping) for d in documents)):
+    if documents is not None and not (isinstance(documents, list) and all(isinstance(d, Mapping) for d in documents)):
         raise InvalidArgumentError("documents must be a list of objects", param="documents")
     chat = normalize_messages(messages, source)
     if not chat:
@@ -382,14 +420,22 @@ def render(source: str, messages: Any, kwargs: Mapping[str, Any], special_tokens
         last = chat[-1]
         final = last.get("content")
         if not isinstance(final, str):
-            raise InvalidArgumentError("continue_final_message is set but the final message has no content",
-                                       param="messages")
+            raise InvalidArgumentError(
+                "continue_final_message is set but the final message has no content", param="messages"
+            )
         last["content"] = final + _CONTINUE_TAG
-    context = {**_plain(dict(special_tokens)),
-               **{k: v for k, v in _plain(kwargs).items() if k in names and k not in _RESERVED}}
+    context = {
+        **_plain(dict(special_tokens)),
+        **{k: v for k, v in _plain(kwargs).items() if k in names and k not in _RESERVED},
+    }
     try:
-        text = template.render(**context, messages=chat, tools=tools, documents=_plain(documents),
-                               add_generation_prompt=add_generation_prompt)
+        text = template.render(
+            **context,
+            messages=chat,
+            tools=tools,
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+        )
     except InvalidArgumentError:
         raise
     except Exception as e:  # raise_exception, undefined attributes, sandbox refusals, type errors
@@ -397,8 +443,10 @@ def render(source: str, messages: Any, kwargs: Mapping[str, Any], special_tokens
     if final is not None:
         tag = _CONTINUE_TAG.strip()
         if final.strip() not in text or tag not in text:
-            raise InvalidArgumentError("continue_final_message is set but the final message does not appear in "
-                                       "the rendered chat", param="messages")
+            raise InvalidArgumentError(
+                "continue_final_message is set but the final message does not appear in the rendered chat",
+                param="messages",
+            )
         at = text.rindex(tag)
-        text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        text = text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
     return text

@@ -75,8 +75,12 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, extra_eos_token_ids: Iterable[int] = (),
-                 progress: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        extra_eos_token_ids: Iterable[int] = (),
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.config = config
         settings, sched = config.model, config.scheduler
         self.executor = None
@@ -85,25 +89,43 @@ class EngineCore:
 
             self.executor = TensorParallelExecutor(config)
             backend = "torch" if settings.backend == "auto" else settings.backend
-            self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=backend,
-                                    parallel=self.executor.parallel, nvfp4_mode=settings.nvfp4_mode)
+            self.model = load_model(
+                settings.path,
+                dtype=settings.dtype,
+                progress=progress,
+                backend=backend,
+                parallel=self.executor.parallel,
+                nvfp4_mode=settings.nvfp4_mode,
+            )
         else:
-            self.model = load_model(settings.path, dtype=settings.dtype, progress=progress, backend=settings.backend,
-                                    nvfp4_mode=settings.nvfp4_mode)
+            self.model = load_model(
+                settings.path,
+                dtype=settings.dtype,
+                progress=progress,
+                backend=settings.backend,
+                nvfp4_mode=settings.nvfp4_mode,
+            )
         self.eos_token_ids = frozenset(self.model.config.eos_token_id) | frozenset(extra_eos_token_ids)
-        self.runner = ModelRunner(self.model, config.cache, sched.max_model_len, sched.max_num_seqs,
-                                  broadcast=None if self.executor is None else self.executor.broadcast)
+        self.runner = ModelRunner(
+            self.model,
+            config.cache,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            broadcast=None if self.executor is None else self.executor.broadcast,
+        )
         if self.executor is not None:
             self.executor.start(self.runner.num_blocks)
         self.scheduler = Scheduler(sched, config.cache, self.runner.num_blocks, self.runner.layout.group_windows)
         self.speculator: Speculator | None = None
         if config.speculative is not None:
             if config.parallel.pipeline_parallel_size > 1:
-                raise InvalidArgumentError("speculative decoding does not support pipeline_parallel_size > 1",
-                                           param="speculative_config")
+                raise InvalidArgumentError(
+                    "speculative decoding does not support pipeline_parallel_size > 1", param="speculative_config"
+                )
             proposer = build_proposer(config.speculative, self.model, settings.path)
-            self.speculator = Speculator(config.speculative, proposer, self.model.config.vocab_size,
-                                         sched.max_model_len)
+            self.speculator = Speculator(
+                config.speculative, proposer, self.model.config.vocab_size, sched.max_model_len
+            )
             self.runner.aux_layers = tuple(proposer.aux_layers)
         self._seeds = torch.Generator()  # CPU: draws one seed per unseeded sampled request
         if settings.seed is None:
@@ -113,8 +135,9 @@ class EngineCore:
         self.num_steps = 0
 
     # -- requests -------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Queue one sequence (the prompt is already validated). Requests share cached
         prefix blocks only with requests of the same `cache_salt`."""
         limit = self.config.scheduler.max_model_len
@@ -126,13 +149,24 @@ class EngineCore:
         grammar = None
         if params.structured_outputs is not None:
             if params._compiled_grammar is None:
-                raise InvalidArgumentError("structured_outputs must be compiled (InputProcessor.validate) before "
-                                           "the engine takes the request", param="structured_outputs")
+                raise InvalidArgumentError(
+                    "structured_outputs must be compiled (InputProcessor.validate) before the engine takes the request",
+                    param="structured_outputs",
+                )
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             grammar = params._compiled_grammar.new_state(stops or self.eos_token_ids)
-        self.scheduler.add(Request(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-                                   max_tokens=max_tokens, eos_token_ids=self.eos_token_ids, generator=generator,
-                                   grammar=grammar, cache_salt=cache_salt))
+        self.scheduler.add(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                generator=generator,
+                grammar=grammar,
+                cache_salt=cache_salt,
+            )
+        )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish with reason "abort" and free blocks at once; unknown or finished ids are ignored."""
@@ -168,31 +202,49 @@ class EngineCore:
         outputs = []
         for i, request in enumerate(batch.requests):
             if request.request_id in out.verified:  # speculation: the accepted run, cut at a stop
-                new = request.output_token_ids[num_out_before[i]:]
+                new = request.output_token_ids[num_out_before[i] :]
                 if new:
                     lps = out.verified_logprobs.get(request.request_id)
-                    outputs.append(EngineCoreOutput(
-                        request_id=request.request_id, new_token_ids=new,
-                        new_logprobs=None if lps is None else lps[:len(new)], finish_reason=request.finish_reason,
-                        stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens))
+                    outputs.append(
+                        EngineCoreOutput(
+                            request_id=request.request_id,
+                            new_token_ids=new,
+                            new_logprobs=None if lps is None else lps[: len(new)],
+                            finish_reason=request.finish_reason,
+                            stop_reason=request.stop_reason,
+                            num_cached_tokens=request.num_cached_tokens,
+                        )
+                    )
                 continue
             token = out.sampled.get(request.request_id)
             scored = out.prompt_logprobs.get(request.request_id)
             if token is None and scored is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
             lp = out.logprobs.get(request.request_id)
-            outputs.append(EngineCoreOutput(
-                request_id=request.request_id, new_token_ids=[] if token is None else [token],
-                new_logprobs=None if lp is None else [lp], finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
-                prompt_logprobs=scored))
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[] if token is None else [token],
+                    new_logprobs=None if lp is None else [lp],
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=scored,
+                )
+            )
         if self.speculator is not None:
             self.speculator.after_step(batch, out, computed_before, finished)
         return outputs
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
-        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                           kv_usage=kv.usage(), prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-                           num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-                           **(self.speculator.stats() if self.speculator is not None else {}))
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=kv.usage(),
+            prefix_queries=kv.prefix_queries,
+            prefix_hits=kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            **(self.speculator.stats() if self.speculator is not None else {}),
+        )

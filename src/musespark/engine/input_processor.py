@@ -29,8 +29,14 @@ from . import chat
 from .tokenizer import Tokenizer
 
 # generation_config.json key -> SamplingParams field (vLLM's mapping).
-_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def load_generation_defaults(path: Path) -> dict[str, Any]:
@@ -42,8 +48,9 @@ def load_generation_defaults(path: Path) -> dict[str, Any]:
         data = json.loads(file.read_text())
     except json.JSONDecodeError:
         return {}
-    return {ours: data[theirs] for theirs, ours in _GENERATION_KEYS.items()
-            if theirs in data and data[theirs] is not None}
+    return {
+        ours: data[theirs] for theirs, ours in _GENERATION_KEYS.items() if theirs in data and data[theirs] is not None
+    }
 
 
 @dataclass(frozen=True)
@@ -56,8 +63,13 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 generation_defaults: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_model_len: int,
+        generation_defaults: Mapping[str, Any] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -66,8 +78,9 @@ class InputProcessor:
         self.structured = StructuredOutputManager(tokenizer, vocab_size) if tokenizer is not None else None
         # The longest token's text: a prompt of N characters has at least N / this many tokens,
         # so a prompt far over max_model_len is refused without tokenizing it.
-        self._max_token_chars = max((len(t) for t in tokenizer.vocab_encoding()[0]), default=1) \
-            if tokenizer is not None else 1
+        self._max_token_chars = (
+            max((len(t) for t in tokenizer.vocab_encoding()[0]), default=1) if tokenizer is not None else 1
+        )
 
     # -- prompts ----------------------------------------------------------------------
     def process_prompt(self, prompt: Any) -> ProcessedPrompt:
@@ -78,7 +91,8 @@ class InputProcessor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgumentError(
-                    "this model has no tokenizer.json: give prompts as {'prompt_token_ids': [...]}", param="prompt")
+                    "this model has no tokenizer.json: give prompts as {'prompt_token_ids': [...]}", param="prompt"
+                )
             self._check_length(prompt, "prompt")
             return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
@@ -91,20 +105,31 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
                     raise InvalidArgumentError("prompt_token_ids must be a list of ints", param="prompt_token_ids")
                 return ProcessedPrompt(prompt.get("prompt"), list(ids), salt)
             if "prompt" in prompt:
                 return replace(self.process_prompt(prompt["prompt"]), cache_salt=salt)
         raise InvalidArgumentError(
-            f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}", param="prompt")
+            f"prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}", param="prompt"
+        )
 
-    def render_chat(self, messages: Any, add_generation_prompt: bool = True, add_special_tokens: bool = False, *,
-                    tools: Any = None, documents: Any = None, chat_template: str | None = None,
-                    chat_template_kwargs: Mapping[str, Any] | None = None, continue_final_message: bool = False,
-                    reasoning_effort: str | None = None,
-                    default_chat_template_kwargs: Mapping[str, Any] | None = None,
-                    reasoning_effort_map: Mapping[str, str] | None = None) -> ProcessedPrompt:
+    def render_chat(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        *,
+        tools: Any = None,
+        documents: Any = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
+        reasoning_effort: str | None = None,
+        default_chat_template_kwargs: Mapping[str, Any] | None = None,
+        reasoning_effort_map: Mapping[str, str] | None = None,
+    ) -> ProcessedPrompt:
         """Apply the chat template (`chat_template`, else the checkpoint's) to one
         conversation, then encode it (no BOS rule by default: the template spells its own).
         Template kwargs, lowest precedence first: `default_chat_template_kwargs` (server-wide),
@@ -114,16 +139,26 @@ class InputProcessor:
             raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
         try:
             kwargs = chat.template_kwargs(
-                default_chat_template_kwargs, chat_template_kwargs, tools=tools, documents=documents,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                reasoning_effort=reasoning_effort, reasoning_effort_map=reasoning_effort_map)
+                default_chat_template_kwargs,
+                chat_template_kwargs,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                reasoning_effort=reasoning_effort,
+                reasoning_effort_map=reasoning_effort_map,
+            )
             for reserved in ("messages", "chat_template"):  # never template kwargs (vLLM drops them too)
                 kwargs.pop(reserved, None)
             text = self.tokenizer.apply_chat_template(
-                messages, bool(kwargs.pop("add_generation_prompt", False)), tools=kwargs.pop("tools", None),
+                messages,
+                bool(kwargs.pop("add_generation_prompt", False)),
+                tools=kwargs.pop("tools", None),
                 documents=kwargs.pop("documents", None),
                 continue_final_message=bool(kwargs.pop("continue_final_message", False)),
-                chat_template=chat_template, **kwargs)
+                chat_template=chat_template,
+                **kwargs,
+            )
         except InvalidArgumentError:
             raise
         except Exception as exc:  # ValueError from validation, jinja errors from the template
@@ -136,7 +171,9 @@ class InputProcessor:
         if at_least >= self.max_model_len:
             raise InvalidArgumentError(
                 f"{param} is at least {at_least} tokens ({len(text)} characters); max_model_len={self.max_model_len} "
-                "(the prompt must be shorter than max_model_len)", param=param)
+                "(the prompt must be shorter than max_model_len)",
+                param=param,
+            )
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
@@ -151,17 +188,21 @@ class InputProcessor:
         if len(token_ids) >= limit:
             raise InvalidArgumentError(
                 f"prompt is {len(token_ids)} tokens; max_model_len={limit} leaves no room to generate "
-                "(the prompt must be shorter than max_model_len)", param="prompt")
+                "(the prompt must be shorter than max_model_len)",
+                param="prompt",
+            )
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidArgumentError(f"prompt_token_ids must lie in [0, {self.vocab_size}), got {bad[0]}",
-                                       param="prompt_token_ids")
+            raise InvalidArgumentError(
+                f"prompt_token_ids must lie in [0, {self.vocab_size}), got {bad[0]}", param="prompt_token_ids"
+            )
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         self.validate_prompt(token_ids)
         if params.stop and self.tokenizer is None:
-            raise InvalidArgumentError("stop strings need a tokenizer; this model has none (use stop_token_ids)",
-                                       param="stop")
+            raise InvalidArgumentError(
+                "stop strings need a tokenizer; this model has none (use stop_token_ids)", param="stop"
+            )
         # Logit controls: every token id inside the vocabulary; bad_words tokenized here
         # (SamplingParams.update_from_tokenizer, as vLLM's processor does).
         if params.bad_words:
@@ -169,19 +210,23 @@ class InputProcessor:
                 raise InvalidArgumentError("bad_words need a tokenizer; this model has none", param="bad_words")
             params.update_from_tokenizer(self.tokenizer)
         vocab = self.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()),
-                          ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("bad_words", [t for seq in params._bad_words_token_ids or () for t in seq])):
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for seq in params._bad_words_token_ids or () for t in seq]),
+        ):
             bad = sorted({t for t in ids if not 0 <= t < vocab})
             if bad:
                 raise InvalidArgumentError(
-                    f"{name} has out-of-vocabulary token id(s) {bad[:8]}; the vocabulary is [0, {vocab})", param=name)
+                    f"{name} has out-of-vocabulary token id(s) {bad[:8]}; the vocabulary is [0, {vocab})", param=name
+                )
         # Structured outputs: compiled here, on the caller's thread (the server's worker
         # threads), never on the engine loop; cached per constraint.
         if params.structured_outputs is not None and params._compiled_grammar is None:
             if self.structured is None:
-                raise InvalidArgumentError("structured outputs need a tokenizer; this model has none",
-                                           param="structured_outputs")
+                raise InvalidArgumentError(
+                    "structured outputs need a tokenizer; this model has none", param="structured_outputs"
+                )
             object.__setattr__(params, "_compiled_grammar", self.structured.compile(params.structured_outputs))
 
     # -- sampling parameters ----------------------------------------------------------------
@@ -207,7 +252,9 @@ class InputProcessor:
             raise InvalidArgumentError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {kind}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {kind} or completion.", param="max_tokens")
+                f"completion). Please reduce the length of the {kind} or completion.",
+                param="max_tokens",
+            )
         if isinstance(max_tokens, int) and max_tokens >= 1 and isinstance(default, int) and default >= 1:
             return min(max_tokens, default)  # vLLM caps a request by the checkpoint's max_new_tokens
         return max_tokens

@@ -54,13 +54,25 @@ class LLM:
     ) -> None:
         if kwargs:
             raise InvalidArgumentError(f"LLM() got unknown argument(s): {sorted(kwargs)}", param=sorted(kwargs)[0])
-        args = EngineArgs(model=model, dtype=dtype, backend=backend, max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          block_size=block_size, kv_cache_memory=kv_cache_memory, kv_cache_fraction=kv_cache_fraction,
-                          enable_prefix_caching=enable_prefix_caching, seed=seed, generation_config=generation_config,
-                          tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
-                          pipeline_parallel_size=pipeline_parallel_size, nvfp4_mode=nvfp4_mode,
-                          speculative_config=speculative_config)
+        args = EngineArgs(
+            model=model,
+            dtype=dtype,
+            backend=backend,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            kv_cache_fraction=kv_cache_fraction,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            generation_config=generation_config,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_expert_parallel=enable_expert_parallel,
+            pipeline_parallel_size=pipeline_parallel_size,
+            nvfp4_mode=nvfp4_mode,
+            speculative_config=speculative_config,
+        )
         config = args.create_engine_config()  # every argument checked before the progress bar appears
         progress = _progress_bar("Loading weights") if show_progress else None
         self.engine = LLMEngine(config, progress=progress)
@@ -138,13 +150,21 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidArgumentError(
                 "messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)",
-                param="messages")
+                param="messages",
+            )
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [processor.render_chat(list(conv), add_generation_prompt=add_generation_prompt, tools=tools,
-                                         documents=documents, chat_template=chat_template,
-                                         chat_template_kwargs=chat_template_kwargs,
-                                         continue_final_message=continue_final_message)
-                   for conv in conversations]
+        prompts = [
+            processor.render_chat(
+                list(conv),
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                continue_final_message=continue_final_message,
+            )
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # -- helpers ------------------------------------------------------------------
@@ -154,7 +174,8 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise InvalidArgumentError(
                 "prompts must be a string, a {'prompt_token_ids': [...]} dict, or a non-empty list of them",
-                param="prompt")
+                param="prompt",
+            )
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, dict):
@@ -164,11 +185,13 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise InvalidArgumentError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts",
-                                           param="sampling_params")
+                raise InvalidArgumentError(
+                    f"sampling_params has {len(params)} entries for {len(prompts)} prompts", param="sampling_params"
+                )
             if not all(isinstance(p, SamplingParams) for p in params):
-                raise InvalidArgumentError("sampling_params must be SamplingParams (or a list of them)",
-                                           param="sampling_params")
+                raise InvalidArgumentError(
+                    "sampling_params must be SamplingParams (or a list of them)", param="sampling_params"
+                )
         # Validate everything before queueing anything.
         processor = self.engine.input_processor
         tokenized = []

@@ -33,8 +33,13 @@ from .tokenizer import Tokenizer
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, progress: Callable[[int, int], None] | None = None,
-                 **engine_args: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+        **engine_args: Any,
+    ) -> None:
         """Build from an `EngineConfig`, or from loose `EngineArgs` fields. Loose arguments
         next to a config must agree with it (an error names both otherwise)."""
         if config is None:
@@ -44,26 +49,35 @@ class LLMEngine:
                 raise InvalidArgumentError(f"LLMEngine(): {exc}") from None
             config = args.create_engine_config()
         elif not isinstance(config, EngineConfig):
-            raise InvalidArgumentError(f"LLMEngine(config) takes an EngineConfig, got {type(config).__name__} "
-                                       "(pass model=DIR for a checkpoint directory)", param="config")
+            raise InvalidArgumentError(
+                f"LLMEngine(config) takes an EngineConfig, got {type(config).__name__} "
+                "(pass model=DIR for a checkpoint directory)",
+                param="config",
+            )
         else:
             check_no_conflict(config, engine_args)
         if config.parallel.enable_expert_parallel and config.parallel.tensor_parallel_size == 1:
-            raise InvalidArgumentError("enable_expert_parallel needs tensor_parallel_size > 1 (the EP group is the "
-                                       "TP group)", param="enable_expert_parallel")
+            raise InvalidArgumentError(
+                "enable_expert_parallel needs tensor_parallel_size > 1 (the EP group is the TP group)",
+                param="enable_expert_parallel",
+            )
         self.engine_config = config
         self.model_path: Path = config.model.path
         checkpoint_eos = load_config(self.model_path).eos_token_id
-        self.tokenizer = Tokenizer.from_dir(self.model_path, extra_eos_ids=checkpoint_eos) \
-            if (self.model_path / "tokenizer.json").is_file() else None
+        self.tokenizer = (
+            Tokenizer.from_dir(self.model_path, extra_eos_ids=checkpoint_eos)
+            if (self.model_path / "tokenizer.json").is_file()
+            else None
+        )
         extra_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.core = EngineCore(config, extra_eos_token_ids=extra_eos, progress=progress)
         self.model: MuseSparkForCausalLM = self.core.model
         self.config: ModelConfig = self.model.config
         gc = str(config.model.generation_config)
         defaults = {} if gc == "vllm" else load_generation_defaults(self.model_path if gc == "auto" else Path(gc))
-        self.input_processor = InputProcessor(self.tokenizer, self.config.vocab_size,
-                                              config.scheduler.max_model_len, defaults)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.config.vocab_size, config.scheduler.max_model_len, defaults
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # -- read-only facts --------------------------------------------------------------
@@ -83,15 +97,26 @@ class LLMEngine:
         return self.core.stats()
 
     # -- requests -----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                    output_parser: Callable[[], MuseOutputParser] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        output_parser: Callable[[], MuseOutputParser] | None = None,
+    ) -> None:
         """Queue a request (n sequences for params.n). Raises ValueError before any work.
         `output_parser` makes one output parser per sequence (see `OutputProcessor`)."""
         processed: ProcessedPrompt = self.input_processor.process_prompt(prompt)
         self.input_processor.validate(processed.token_ids, params)
         children = child_requests(request_id, params)
-        self.output_processor.add_request(request_id, processed.text, processed.token_ids, params,
-                                          [child_id for child_id, _ in children], output_parser)
+        self.output_processor.add_request(
+            request_id,
+            processed.text,
+            processed.token_ids,
+            params,
+            [child_id for child_id, _ in children],
+            output_parser,
+        )
         for child_id, child_params in children:
             self.core.add_request(child_id, processed.token_ids, child_params, processed.cache_salt)
 

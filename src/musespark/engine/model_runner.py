@@ -55,7 +55,7 @@ def kv_layout(cfg: ModelConfig) -> KVLayout:
     windows: list[int | None] = []
     for layers, window in ((full, None), (sliding, cfg.sliding_window)):
         for start in range(0, len(layers), size):
-            for j, layer in enumerate(layers[start:start + size]):
+            for j, layer in enumerate(layers[start : start + size]):
                 layer_group[layer], layer_slot[layer] = len(windows), j
             windows.append(window)
     return KVLayout(layer_group, layer_slot, windows, size)
@@ -97,11 +97,12 @@ def _int64(values: list[int] | list[list[int]], device: torch.device) -> torch.T
 def _int64_parts(parts: list[list[int]], shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
     """Several int lists as int64 tensors of `shapes`, made from one array: each small torch
     op costs 10-30 µs in a decode step (the weights just streamed through the caches)."""
-    flat = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64,
-                                        count=sum(len(p) for p in parts))).to(device)
+    flat = torch.from_numpy(
+        np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int64, count=sum(len(p) for p in parts))
+    ).to(device)
     out, at = [], 0
     for part, shape in zip(parts, shapes):
-        out.append(flat[at:at + len(part)].view(shape))
+        out.append(flat[at : at + len(part)].view(shape))
         at += len(part)
     return out
 
@@ -122,12 +123,13 @@ def _prompt_mask(inputs: StepInputs, device: torch.device) -> torch.Tensor | Non
         return None
     mask = torch.zeros(inputs.query_start_loc[-1], dtype=torch.bool)
     for first, n in zip(inputs.query_start_loc, inputs.prompt_rows):
-        mask[first:first + n] = True
+        mask[first : first + n] = True
     return mask.to(device)
 
 
-def _relay(logits: torch.Tensor | None, shape: tuple[int, int], source: int, device: torch.device
-           ) -> torch.Tensor | None:
+def _relay(
+    logits: torch.Tensor | None, shape: tuple[int, int], source: int, device: torch.device
+) -> torch.Tensor | None:
     """Pipeline parallel: the last stage's first TP rank (`source`) sends its logits to rank
     0; rank 0 gets them back, the sender gets None."""
     import torch.distributed as dist
@@ -148,7 +150,7 @@ def _prompt_logprobs(logits: torch.Tensor, request: Request, pos: int) -> list[T
     `prompt_logprobs` tokens."""
     k, m = request.params.prompt_logprobs, logits.shape[0]
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    targets = torch.tensor(request.prompt_token_ids[pos + 1:pos + 1 + m], device=logits.device)
+    targets = torch.tensor(request.prompt_token_ids[pos + 1 : pos + 1 + m], device=logits.device)
     chosen = (logits.gather(-1, targets[:, None]) - lse).squeeze(-1).tolist()
     if k:
         vals, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
@@ -179,8 +181,16 @@ class ModelRunner:
     through it (parallel/executor.py); a worker's runner is given rank 0's `num_blocks` and
     only runs `forward`. Each rank's cache holds its own KV heads."""
 
-    def __init__(self, model: MuseSparkForCausalLM, cache: CacheConfig, max_model_len: int, max_num_seqs: int,
-                 *, num_blocks: int | None = None, broadcast: Callable[[StepInputs], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: MuseSparkForCausalLM,
+        cache: CacheConfig,
+        max_model_len: int,
+        max_num_seqs: int,
+        *,
+        num_blocks: int | None = None,
+        broadcast: Callable[[StepInputs], None] | None = None,
+    ) -> None:
         self.model = model
         self.broadcast = broadcast
         self.aux_layers: tuple[int, ...] = ()  # decoder layers whose output streams a proposer reads
@@ -195,25 +205,32 @@ class ModelRunner:
         # A pipeline stage caches only its own layers' slots.
         start, end = model.layer_range
         needed = sorted({self.layout.layer_slot[i] for i in range(start, end)})
-        num_blocks = num_blocks_for_budget(budget, cache.block_size, len(needed),
-                                           kv_heads, cfg.head_dim, dtype_bytes)
+        num_blocks = num_blocks_for_budget(budget, cache.block_size, len(needed), kv_heads, cfg.head_dim, dtype_bytes)
         # Blocks one sequence can hold at most: full groups its whole length, sliding groups
         # their window (+2: a block boundary and the block being filled).
         seq_blocks = -(-max_model_len // cache.block_size) + 1
-        per_seq = sum(seq_blocks if w is None else min(seq_blocks, -(-w // cache.block_size) + 2)
-                      for w in self.layout.group_windows)
+        per_seq = sum(
+            seq_blocks if w is None else min(seq_blocks, -(-w // cache.block_size) + 2)
+            for w in self.layout.group_windows
+        )
         num_blocks = min(num_blocks, max_num_seqs * per_seq)  # no point holding more
         if num_blocks < per_seq:
             raise ValueError(
                 f"kv_cache_memory={budget} bytes gives {num_blocks} KV blocks, but one sequence of "
-                f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len")
+                f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len"
+            )
         self.num_blocks = num_blocks = given if given is not None else num_blocks
         shape = (num_blocks, cache.block_size, kv_heads, cfg.head_dim)
         # Ordinary pages, not musespark.hugepages: a block's first write would fault a whole 2 MiB
         # page inside a step (~7 ms on a lazily backed VM), for no measured gain in the attention
         # (benchmarks/RESULTS.md, session 21).
-        slots = {s: (torch.zeros(shape, dtype=model.dtype, device=model.device),
-                     torch.zeros(shape, dtype=model.dtype, device=model.device)) for s in needed}
+        slots = {
+            s: (
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+            )
+            for s in needed
+        }
         # Per layer: its group slot's (K, V); None for another pipeline stage's layer.
         self.kv_caches = [slots.get(s) for s in self.layout.layer_slot]
 
@@ -242,15 +259,23 @@ class ModelRunner:
             return out
         # Speculation: requests with drafts verify their k + 1 rows; the others sample one row.
         out.verified, out.verified_logprobs = verify_step(
-            logits, batch, sample_reqs, lambda rows, requests: self._sample(rows, requests, out))
+            logits, batch, sample_reqs, lambda rows, requests: self._sample(rows, requests, out)
+        )
         return out
 
     def _inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Request], list[tuple[Request, int]]]:
         """The step's model inputs as plain lists, the requests that sample (in sample-row
         order) and those that score prompt tokens (with the first scored position - 1)."""
         bs = self.block_size
-        inputs = StepInputs(ids=[], positions=[], query_start_loc=[0], seq_lens=[],
-                            groups=[([], []) for _ in self.layout.group_windows], sample_rows=[], scored_rows=[])
+        inputs = StepInputs(
+            ids=[],
+            positions=[],
+            query_start_loc=[0],
+            seq_lens=[],
+            groups=[([], []) for _ in self.layout.group_windows],
+            sample_rows=[],
+            scored_rows=[],
+        )
         sample_reqs: list[Request] = []
         scored_reqs: list[tuple[Request, int]] = []
         qsl = inputs.query_start_loc
@@ -282,8 +307,9 @@ class ModelRunner:
         return inputs, sample_reqs, scored_reqs
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs,
-                score: Callable[[int, int, torch.Tensor], None] | None = None) -> torch.Tensor | None:
+    def forward(
+        self, inputs: StepInputs, score: Callable[[int, int, torch.Tensor], None] | None = None
+    ) -> torch.Tensor | None:
         """One model call and its logits: [len(sample_rows), V] fp32 (None if no row samples);
         prompt-scoring logits go to `score(j, offset, logits)` slice by slice (bounding a
         [rows, V] tensor). Every rank of a tensor-parallel model runs this with the same
@@ -297,10 +323,16 @@ class ModelRunner:
             shapes += [(len(slots),), (len(tables), width)]
         ids, positions, *flat = _int64_parts(parts, shapes, device)
         kv_groups = [KVGroup(slot_mapping=flat[i], block_tables=flat[i + 1]) for i in range(0, len(flat), 2)]
-        ctx = AttentionContext(query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                               kv_caches=self.kv_caches, groups=kv_groups, layer_group=self.layout.layer_group,
-                               row_wise=inputs.row_wise, prompt_rows=_prompt_mask(inputs, device),
-                               max_position=max(inputs.positions, default=None))
+        ctx = AttentionContext(
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            kv_caches=self.kv_caches,
+            groups=kv_groups,
+            layer_group=self.layout.layer_group,
+            row_wise=inputs.row_wise,
+            prompt_rows=_prompt_mask(inputs, device),
+            max_position=max(inputs.positions, default=None),
+        )
         if self.aux_layers:  # a proposer reads these streams (rank 0 only; no collective involved)
             hidden, self.last_aux = self.model(ids, positions, ctx, aux_layers=self.aux_layers)
         else:
@@ -313,8 +345,13 @@ class ModelRunner:
         source = par.stage_rank(par.pp_size - 1) - par.tp_rank
 
         def logits_of(rows: torch.Tensor | slice, n: int) -> torch.Tensor | None:
-            out = self.model.compute_logits(hidden[rows] if isinstance(rows, slice) else hidden.index_select(0, rows)
-                                            ).float() if last else None
+            out = (
+                self.model.compute_logits(
+                    hidden[rows] if isinstance(rows, slice) else hidden.index_select(0, rows)
+                ).float()
+                if last
+                else None
+            )
             if relay:
                 out = _relay(out, (n, self.model.config.vocab_size), source, device)
             return out if par.rank == 0 or par.pp_size == 1 else None
@@ -352,8 +389,13 @@ class ModelRunner:
                 out.sampled[r.request_id] = token
             return
         batch = SamplingBatch.build(
-            params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests], V,
-            [r.generator for r in requests], device=logits.device)
+            params,
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            V,
+            [r.generator for r in requests],
+            device=logits.device,
+        )
         result = sample(logits, batch, logit_adjust=adjust.tensor)
         tokens = result.token_ids.tolist()
         asked = result.logprobs is not None  # then every logprob field is set (sampler.sample)

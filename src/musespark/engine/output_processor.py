@@ -40,8 +40,10 @@ def child_requests(request_id: str, params: SamplingParams) -> list[tuple[str, S
     `rid#i`; seeded children get seeds seed, seed+1, ... so they differ."""
     if params.n == 1:
         return [(request_id, params)]
-    return [(f"{request_id}#{i}", params if params.seed is None else replace(params, seed=params.seed + i))
-            for i in range(params.n)]
+    return [
+        (f"{request_id}#{i}", params if params.seed is None else replace(params, seed=params.seed + i))
+        for i in range(params.n)
+    ]
 
 
 @dataclass
@@ -88,9 +90,15 @@ class OutputProcessor:
         self._seqs: dict[str, tuple[_Parent, _Sequence]] = {}  # core request id -> its parent and sequence
         self._token_text: dict[int, str] = {}  # token id -> decoded text, for Logprob.decoded_token
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: Sequence[str],
-                    output_parser: Callable[[], MuseOutputParser] | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: Sequence[str],
+        output_parser: Callable[[], MuseOutputParser] | None = None,
+    ) -> None:
         """`output_parser` makes one parser per sequence (it needs the text with special
         tokens: pass params with skip_special_tokens=False)."""
         if request_id in self._parents:
@@ -99,16 +107,27 @@ class OutputProcessor:
         for i, child_id in enumerate(child_ids):
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
-                                               params.include_stop_str_in_output, params.skip_special_tokens)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_token_ids,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                )
             asked = params.logprobs is not None
-            seq = _Sequence(i, child_id, detok, logprobs=[] if asked else None,
-                            cumulative_logprob=0.0 if asked else None)
+            seq = _Sequence(
+                i, child_id, detok, logprobs=[] if asked else None, cumulative_logprob=0.0 if asked else None
+            )
             if output_parser is not None:
                 seq.parser, seq.reasoning_counter = output_parser(), ReasoningTokenCounter()
             seqs.append(seq)
-        parent = _Parent(request_id, prompt, prompt_token_ids, seqs,
-                         prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+        parent = _Parent(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            seqs,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_token_ids),
+        )
         self._parents[request_id] = parent
         for seq in seqs:
             self._seqs[seq.request_id] = (parent, seq)
@@ -163,8 +182,9 @@ class OutputProcessor:
         return self._request_output(parent, deltas)
 
     # -- helpers --------------------------------------------------------------------
-    def _advance(self, seq: _Sequence, out: EngineCoreOutput, stopped: list[tuple[str, str]]
-                 ) -> tuple[str, list[int], list | None]:
+    def _advance(
+        self, seq: _Sequence, out: EngineCoreOutput, stopped: list[tuple[str, str]]
+    ) -> tuple[str, list[int], list | None]:
         """Take one sequence's new tokens; return (delta text, delta ids, delta logprobs)."""
         new_ids, new_lps = out.new_token_ids, out.new_logprobs or ()
         text = ""
@@ -175,7 +195,7 @@ class OutputProcessor:
                 for j, t in enumerate(new_ids):
                     text += seq.detok.add_tokens([t])
                     if seq.detok.finished:
-                        new_ids, new_lps = new_ids[:j + 1], new_lps[:j + 1]
+                        new_ids, new_lps = new_ids[: j + 1], new_lps[: j + 1]
                         break
         seq.token_ids.extend(new_ids)
         new_entries = None
@@ -208,8 +228,9 @@ class OutputProcessor:
         delta = seq.parser.feed(text) if text else ParsedDelta()
         if seq.finish_reason is not None:
             tail = seq.parser.finish(seq.finish_reason)
-            delta = ParsedDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
-                                delta.tool_calls + tail.tool_calls)
+            delta = ParsedDelta(
+                delta.reasoning + tail.reasoning, delta.content + tail.content, delta.tool_calls + tail.tool_calls
+            )
             seq.parsed_deltas.append(delta)
             seq.message = assemble(seq.parsed_deltas)
             return
@@ -225,8 +246,9 @@ class OutputProcessor:
 
     def _logprob_entry(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         chosen, top_ids, top_lps = lp
-        entry = {t: Logprob(v, rank=k + 1, decoded_token=self._decode1(t))
-                 for k, (t, v) in enumerate(zip(top_ids, top_lps))}
+        entry = {
+            t: Logprob(v, rank=k + 1, decoded_token=self._decode1(t)) for k, (t, v) in enumerate(zip(top_ids, top_lps))
+        }
         if token not in entry:
             entry[token] = Logprob(chosen, rank=None, decoded_token=self._decode1(token))
         return entry
@@ -239,27 +261,40 @@ class OutputProcessor:
             text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def _request_output(self, parent: _Parent, deltas: dict[int, tuple[str, list[int], list | None]]
-                        ) -> RequestOutput:
+    def _request_output(self, parent: _Parent, deltas: dict[int, tuple[str, list[int], list | None]]) -> RequestOutput:
         completions = []
         for seq in parent.seqs:
             delta_text, delta_ids, delta_lps = deltas.get(seq.index, ("", [], None))
             if delta_lps is None and seq.logprobs is not None:
                 delta_lps = []
             completion = CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=seq.token_ids, cumulative_logprob=seq.cumulative_logprob,
-                logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lps)
+                index=seq.index,
+                text=seq.text,
+                token_ids=seq.token_ids,
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                delta_text=delta_text,
+                delta_token_ids=delta_ids,
+                delta_logprobs=delta_lps,
+            )
             if seq.parser is not None:
-                completion.delta_parsed = seq.parsed_deltas[-1] if seq.index in deltas and seq.parsed_deltas \
-                    else ParsedDelta()
+                completion.delta_parsed = (
+                    seq.parsed_deltas[-1] if seq.index in deltas and seq.parsed_deltas else ParsedDelta()
+                )
                 completion.num_reasoning_tokens = seq.reasoning_counter.count
                 completion.parsed = seq.message
             completions.append(completion)
-        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
-                             prompt_token_ids=parent.prompt_token_ids, outputs=completions,
-                             finished=parent.finished, num_cached_tokens=parent.num_cached_tokens,
-                             prompt_logprobs=parent.prompt_logprobs)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
+        )
 
     def _drop(self, parent: _Parent) -> None:
         del self._parents[parent.request_id]

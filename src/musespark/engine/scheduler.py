@@ -54,11 +54,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 group_windows: Sequence[int | None]) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, group_windows: Sequence[int | None]
+    ) -> None:
         self.config = config
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, group_windows,
-                                               enable_prefix_caching=cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache.block_size, group_windows, enable_prefix_caching=cache.enable_prefix_caching
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order
         self.requests: dict[str, Request] = {}
@@ -147,8 +149,11 @@ class Scheduler:
             request = self.waiting[0]
             # A request that wants its prompt's logprobs computes the whole prompt (cached
             # blocks would skip positions it needs).
-            computed = 0 if request.params.prompt_logprobs is not None else \
-                kv.get_computed_blocks(request.request_id, request.token_ids, request.cache_salt)
+            computed = (
+                0
+                if request.params.prompt_logprobs is not None
+                else kv.get_computed_blocks(request.request_id, request.token_ids, request.cache_salt)
+            )
             n = min(request.num_tokens - computed, budget)
             if not kv.allocate_slots(request.request_id, request.token_ids, computed, n, request.cache_salt):
                 break
@@ -175,8 +180,9 @@ class Scheduler:
         self.waiting.appendleft(request)
         batch.preempted.append(request)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int],
-               verified: Mapping[str, list[int]] | None = None) -> list[Request]:
+    def update(
+        self, batch: ScheduledBatch, sampled: dict[str, int], verified: Mapping[str, list[int]] | None = None
+    ) -> list[Request]:
         """Advance counters after the model ran; append sampled tokens; return the
         requests that finished this step (their blocks are already freed).
 
@@ -194,8 +200,7 @@ class Scheduler:
                     finished.append(request)
                 continue
             request.num_computed_tokens += n
-            self.kv_cache_manager.cache_full_blocks(request.request_id, request.token_ids,
-                                                    request.num_computed_tokens)
+            self.kv_cache_manager.cache_full_blocks(request.request_id, request.token_ids, request.num_computed_tokens)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -52,9 +52,7 @@ def _token_content(value: Any, field: str, path: Path) -> str | None:
         return value
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(
-        f"{path}: {field} must be a string or a {{'content': str}} dict, got {value!r}"
-    )
+    raise ValueError(f"{path}: {field} must be a string or a {{'content': str}} dict, got {value!r}")
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -201,8 +199,10 @@ class Tokenizer:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise InvalidArgumentError(f"text is not valid Unicode ({exc.reason}: {text[exc.start]!r} at "
-                                           f"index {exc.start})", param="prompt") from None
+                raise InvalidArgumentError(
+                    f"text is not valid Unicode ({exc.reason}: {text[exc.start]!r} at index {exc.start})",
+                    param="prompt",
+                ) from None
             raise
         if not add_special_tokens or self.bos_token_id is None:
             return ids
@@ -246,10 +246,15 @@ class Tokenizer:
                 "this model has no chat template (neither chat_template.jinja nor a chat_template "
                 "key in tokenizer_config.json)"
             )
-        kwargs.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                      tools=tools, documents=documents)
-        return chat.render(source, messages, kwargs, {"bos_token": self.bos_token or "",
-                                                      "eos_token": self.eos_token or ""})
+        kwargs.update(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+        )
+        return chat.render(
+            source, messages, kwargs, {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        )
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

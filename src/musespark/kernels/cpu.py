@@ -33,13 +33,37 @@ from ..cpu_features import cpu_flags, cpu_model, isa
 
 logger = logging.getLogger(__name__)
 
-_HEADERS = [Path(__file__).with_name(n) for n in ("cpu_simd.h", "cpu_gemv.h", "cpu_rows.h", "cpu_block.h", "cpu_isa.h", "cpu_nvfp4.h",
-                                                    "cpu_ops.h", "cpu_amx_tiles.h", "cpu_simd512.h", "cpu_pool.h")]
-_SOURCES = [Path(__file__).with_name(n)
-            for n in ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_norm.cpp", "cpu_attn_block.cpp", "cpu_ffn_block.cpp",
-                      "cpu_nvfp4.cpp", "cpu_avx512.cpp", "cpu_amx.cpp", "cpu_amx_attention.cpp",
-                      "cpu_prefill_attention.cpp",
-                      "cpu_decode_plan.cpp")]
+_HEADERS = [
+    Path(__file__).with_name(n)
+    for n in (
+        "cpu_simd.h",
+        "cpu_gemv.h",
+        "cpu_rows.h",
+        "cpu_block.h",
+        "cpu_isa.h",
+        "cpu_nvfp4.h",
+        "cpu_ops.h",
+        "cpu_amx_tiles.h",
+        "cpu_simd512.h",
+        "cpu_pool.h",
+    )
+]
+_SOURCES = [
+    Path(__file__).with_name(n)
+    for n in (
+        "cpu_linear.cpp",
+        "cpu_attention.cpp",
+        "cpu_norm.cpp",
+        "cpu_attn_block.cpp",
+        "cpu_ffn_block.cpp",
+        "cpu_nvfp4.cpp",
+        "cpu_avx512.cpp",
+        "cpu_amx.cpp",
+        "cpu_amx_attention.cpp",
+        "cpu_prefill_attention.cpp",
+        "cpu_decode_plan.cpp",
+    )
+]
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
@@ -143,8 +167,10 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     expert's panels in turn: [E, ceil(N / 64), K / 2, 64]. A second copy of the weight (the
     same bytes), made once per weight."""
     if w.dtype != torch.bfloat16 or w.dim() not in (2, 3) or w.shape[-1] % 2:
-        raise ValueError("pack_panels: expected a bfloat16 [N, K] weight with K even (or experts' [E, N, K]), "
-                         f"got {w.dtype} {tuple(w.shape)}")
+        raise ValueError(
+            "pack_panels: expected a bfloat16 [N, K] weight with K even (or experts' [E, N, K]), "
+            f"got {w.dtype} {tuple(w.shape)}"
+        )
     *lead, n, k = w.shape
     pairs = w.detach().contiguous().view(torch.int32).reshape(-1, n, k // 2)  # w[..., 2q] in the low half
     panels = -(-n // PANEL_ROWS)
@@ -157,11 +183,13 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     full = k // 2 // GROUP_PAIRS * GROUP_PAIRS  # pairs in whole groups
     if full:
         groups = full // GROUP_PAIRS
-        dst[..., :full * PANEL_ROWS].view(-1, panels, groups, PANEL_ROWS // 16, GROUP_PAIRS, 16).copy_(
-            src[..., :full].view(-1, panels, PANEL_ROWS // 16, 16, groups, GROUP_PAIRS).permute(0, 1, 4, 2, 5, 3))
+        dst[..., : full * PANEL_ROWS].view(-1, panels, groups, PANEL_ROWS // 16, GROUP_PAIRS, 16).copy_(
+            src[..., :full].view(-1, panels, PANEL_ROWS // 16, 16, groups, GROUP_PAIRS).permute(0, 1, 4, 2, 5, 3)
+        )
     if full < k // 2:  # the last, shorter group
-        dst[..., full * PANEL_ROWS:].view(-1, panels, PANEL_ROWS // 16, k // 2 - full, 16).copy_(
-            src[..., full:].permute(0, 1, 2, 4, 3))
+        dst[..., full * PANEL_ROWS :].view(-1, panels, PANEL_ROWS // 16, k // 2 - full, 16).copy_(
+            src[..., full:].permute(0, 1, 2, 4, 3)
+        )
     return out
 
 
@@ -197,10 +225,17 @@ def build_key() -> str:
     notices changes to the listed sources), flags, the compiler, and the Python and torch
     builds it links against (two environments never share, or rebuild, one cache entry)."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in (*_SOURCES, *_HEADERS)), " ".join(_CFLAGS + _LDFLAGS).encode(),
-                 _compiler_id().encode(), sys.version.encode(), sys.implementation.cache_tag.encode(),
-                 torch.__version__.encode(), str(torch.version.git_version).encode(), torch.__file__.encode(),
-                 platform.machine().encode()):
+    for part in (
+        *(p.read_bytes() for p in (*_SOURCES, *_HEADERS)),
+        " ".join(_CFLAGS + _LDFLAGS).encode(),
+        _compiler_id().encode(),
+        sys.version.encode(),
+        sys.implementation.cache_tag.encode(),
+        torch.__version__.encode(),
+        str(torch.version.git_version).encode(),
+        torch.__file__.encode(),
+        platform.machine().encode(),
+    ):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:16]
 
@@ -241,10 +276,13 @@ def _build() -> Any:
                 _ops.set_isa(path)
                 _ops.set_batch_invariant(batch_invariant())
         except Exception as exc:  # a missing compiler or ninja, a build error: fall back, loudly
-            _reason = (f"the build failed: {type(exc).__name__}: "
-                       f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}")
-            warnings.warn(f"musespark: CPU kernels unavailable, using plain PyTorch ({_reason})", RuntimeWarning,
-                          stacklevel=3)
+            _reason = (
+                f"the build failed: {type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+            )
+            warnings.warn(
+                f"musespark: CPU kernels unavailable, using plain PyTorch ({_reason})", RuntimeWarning, stacklevel=3
+            )
             _ops = None
         _tried = True
         return _ops
@@ -255,7 +293,7 @@ _AMX_VERDICT = "amx_check.txt"
 
 
 def amx_check() -> str:
-    """"" when the AMX tiles of this CPU give the products they should, else why not.
+    """ "" when the AMX tiles of this CPU give the products they should, else why not.
 
     The AMX path cannot be tested on the machines without AMX where it was written (its
     schedule is, through a software model of the tile instructions: `set_isa("amx_emulated")`),
@@ -272,16 +310,27 @@ def amx_check() -> str:
         pass
     env = {**os.environ, _AMX_CHILD_ENV: "1"}
     try:
-        out = subprocess.run([sys.executable, "-c", "from musespark.kernels.cpu import _amx_child; _amx_child()"],
-                             capture_output=True, text=True, timeout=600, env=env)
-        reason = "" if out.returncode == 0 else (
-            f"the AMX check failed (exit {out.returncode}): "
-            f"{(out.stdout + out.stderr).strip().splitlines()[-1] if (out.stdout + out.stderr).strip() else '?'}")
+        out = subprocess.run(
+            [sys.executable, "-c", "from musespark.kernels.cpu import _amx_child; _amx_child()"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        reason = (
+            ""
+            if out.returncode == 0
+            else (
+                f"the AMX check failed (exit {out.returncode}): "
+                f"{(out.stdout + out.stderr).strip().splitlines()[-1] if (out.stdout + out.stderr).strip() else '?'}"
+            )
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         reason = f"the AMX check could not run: {type(exc).__name__}: {exc}"
     if reason:
-        warnings.warn(f"musespark: AMX tiles unused, the avx512_bf16 path runs ({reason})", RuntimeWarning,
-                      stacklevel=4)
+        warnings.warn(
+            f"musespark: AMX tiles unused, the avx512_bf16 path runs ({reason})", RuntimeWarning, stacklevel=4
+        )
     try:  # one rename: a reader sees the whole verdict or none
         tmp = verdict.with_name(f".{verdict.name}.{os.getpid()}")
         tmp.write_text(f"{model}\n{reason}")
@@ -326,8 +375,15 @@ def _compile() -> Any:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        load(name="musespark_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(staging),
-             extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), is_python_module=False, verbose=False)
+        load(
+            name="musespark_cpu",
+            sources=[str(p) for p in _SOURCES],
+            build_directory=str(staging),
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
+            is_python_module=False,
+            verbose=False,
+        )
         try:
             os.rename(staging, final)
         except OSError:  # another process finished first: its library is as good as ours

@@ -67,13 +67,12 @@ class AttentionContext:
         return len(self.seq_lens)
 
     @classmethod
-    def for_prompts(cls, lengths: list[int]) -> "AttentionContext":
+    def for_prompts(cls, lengths: list[int]) -> AttentionContext:
         """Context for whole prompts computed from scratch, no cache."""
         starts = [0]
         for n in lengths:
             starts.append(starts[-1] + n)
-        return cls(query_start_loc=starts, seq_lens=list(lengths),
-                   prompt_rows=torch.ones(starts[-1], dtype=torch.bool))
+        return cls(query_start_loc=starts, seq_lens=list(lengths), prompt_rows=torch.ones(starts[-1], dtype=torch.bool))
 
 
 def _attend(
@@ -93,28 +92,39 @@ def _attend(
     """
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, len, D]
     if plain_causal:
-        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
     else:
         mask = k_pos[None, :] <= q_pos[:, None]
         if window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - window
-        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q4, k4, v4, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
     return out[0].transpose(0, 1)  # [n, nH, D]
 
 
 class DecodeKernel(Protocol):
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int,
+        scale: float,
+    ) -> torch.Tensor:
         """One query per sequence: q [B, nH, D] fp32, caches [num_blocks, block_size, nKV, D],
         block_tables [B, max_blocks] int64, seq_lens [B] int64 (keys per sequence, the query's
         own included), window 0 = none -> [B, nH, D] fp32."""
 
 
 class PrefillKernel(Protocol):
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int, window: int,
-                 scale: float) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int, window: int, scale: float
+    ) -> torch.Tensor:
         """One sequence's chunk: q [n, nH, D] at positions q_start.., k, v [m, nKV, D] at
         positions k_start.. (every key the chunk reaches, in order), window 0 = none ->
         [n, nH, D] in q's dtype, causal."""
@@ -143,8 +153,9 @@ def paged_attention(
             if e > s:
                 pos = positions[s:e]
                 plain = window is None or (e - s) <= window
-                out[s:e] = _attend(q[s:e], k[s:e], v[s:e], pos, pos, scale, window,
-                                   plain_causal=plain and int(pos[0]) == 0)
+                out[s:e] = _attend(
+                    q[s:e], k[s:e], v[s:e], pos, pos, scale, window, plain_causal=plain and int(pos[0]) == 0
+                )
         return out
 
     assert ctx.groups is not None and ctx.layer_group is not None
@@ -157,18 +168,32 @@ def paged_attention(
     v_flat.index_copy_(0, group.slot_mapping, v.to(v_flat.dtype))
     if q.shape[0] == ctx.num_seqs:  # pure decode: one query per sequence, one batched call
         if decode is not None:
-            out = decode(q.float().contiguous(), k_cache, v_cache, group.block_tables,
-                         ctx.seq_lens_tensor(q.device), window or 0, scale)
+            out = decode(
+                q.float().contiguous(),
+                k_cache,
+                v_cache,
+                group.block_tables,
+                ctx.seq_lens_tensor(q.device),
+                window or 0,
+                scale,
+            )
             return out.to(q.dtype)
-        return _decode_attention(q, k_flat, v_flat, positions, ctx.seq_lens, group.block_tables, block_size,
-                                 scale, window)
+        return _decode_attention(
+            q, k_flat, v_flat, positions, ctx.seq_lens, group.block_tables, block_size, scale, window
+        )
     single = [b for b in range(ctx.num_seqs) if qsl[b + 1] - qsl[b] == 1] if decode is not None else []
     if single:
         rows = torch.tensor([qsl[b] for b in single], device=q.device)
         seqs = torch.tensor(single, device=q.device)
-        got = decode(q[rows].float().contiguous(), k_cache, v_cache,
-                     group.block_tables.index_select(0, seqs).contiguous(),
-                     ctx.seq_lens_tensor(q.device).index_select(0, seqs), window or 0, scale)
+        got = decode(
+            q[rows].float().contiguous(),
+            k_cache,
+            v_cache,
+            group.block_tables.index_select(0, seqs).contiguous(),
+            ctx.seq_lens_tensor(q.device).index_select(0, seqs),
+            window or 0,
+            scale,
+        )
         out[rows] = got.to(q.dtype)
     if ctx.row_wise:
         _row_wise_attention(out, q, k_cache, v_cache, k_flat, v_flat, positions, ctx, group, scale, window, decode)
@@ -179,11 +204,13 @@ def paged_attention(
             continue
         if prefill is not None and q.dtype == k_flat.dtype == torch.bfloat16:
             slots, k_pos = _reachable_slots(group.block_tables[b], ctx.seq_lens[b], e - s, block_size, window)
-            out[s:e] = prefill(q[s:e], k_flat[slots], v_flat[slots], ctx.seq_lens[b] - (e - s), int(k_pos[0]),
-                               window or 0, scale)
+            out[s:e] = prefill(
+                q[s:e], k_flat[slots], v_flat[slots], ctx.seq_lens[b] - (e - s), int(k_pos[0]), window or 0, scale
+            )
             continue
-        out[s:e] = _attend_chunk(q[s:e], k_flat, v_flat, positions[s:e], group.block_tables[b], ctx.seq_lens[b],
-                                 block_size, scale, window)
+        out[s:e] = _attend_chunk(
+            q[s:e], k_flat, v_flat, positions[s:e], group.block_tables[b], ctx.seq_lens[b], block_size, scale, window
+        )
     return out
 
 
@@ -192,9 +219,17 @@ def paged_attention(
 PREFILL_QUERY_BLOCK = 256
 
 
-def _attend_chunk(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, positions: torch.Tensor,
-                  table: torch.Tensor, seq_len: int, block_size: int, scale: float, window: int | None
-                  ) -> torch.Tensor:
+def _attend_chunk(
+    q: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """A sequence's n new queries (the last n of its seq_len positions) over the paged cache,
     PREFILL_QUERY_BLOCK rows at a time -> [n, nH, D]. A block at the start of a sequence with
     every key in reach (no prefix, no window cutting in) takes SDPA's causal kernel."""
@@ -209,14 +244,26 @@ def _attend_chunk(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, p
         end = seq_len - n + e  # the block's rows are the last e - s of the first `end` positions
         slots, k_pos = _reachable_slots(table, end, e - s, block_size, window)
         plain = end == e - s and (window is None or e - s <= window)
-        out[s:e] = _attend(q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window,
-                           plain_causal=plain)
+        out[s:e] = _attend(
+            q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window, plain_causal=plain
+        )
     return out
 
 
-def _row_wise_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        k_flat: torch.Tensor, v_flat: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                        group: KVGroup, scale: float, window: int | None, decode: DecodeKernel | None) -> None:
+def _row_wise_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+    group: KVGroup,
+    scale: float,
+    window: int | None,
+    decode: DecodeKernel | None,
+) -> None:
     """Rows of the `ctx.row_wise` sequences as single-query decode rows (row i of a sequence's
     n sees seq_len - (n - 1 - i) keys), written into `out` in place."""
     qsl = ctx.query_start_loc
@@ -230,22 +277,31 @@ def _row_wise_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tenso
     rows_t = torch.tensor(rows, device=q.device)
     tables = group.block_tables.index_select(0, torch.tensor(seqs, device=q.device)).contiguous()
     if decode is not None:
-        got = decode(q[rows_t].float().contiguous(), k_cache, v_cache, tables,
-                     torch.tensor(lens, dtype=torch.int64, device=q.device), window or 0, scale)
+        got = decode(
+            q[rows_t].float().contiguous(),
+            k_cache,
+            v_cache,
+            tables,
+            torch.tensor(lens, dtype=torch.int64, device=q.device),
+            window or 0,
+            scale,
+        )
     else:
-        got = _decode_attention(q[rows_t], k_flat, v_flat, positions[rows_t], lens, tables, k_cache.shape[1],
-                                scale, window)
+        got = _decode_attention(
+            q[rows_t], k_flat, v_flat, positions[rows_t], lens, tables, k_cache.shape[1], scale, window
+        )
     out[rows_t] = got.to(q.dtype)
 
 
-def _reachable_slots(table: torch.Tensor, seq_len: int, num_queries: int, block_size: int,
-                     window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _reachable_slots(
+    table: torch.Tensor, seq_len: int, num_queries: int, block_size: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache slots [m] and positions [m] of every key the last `num_queries` positions of
     a sequence of `seq_len` can see; blocks before the oldest reachable key are never read."""
     first_query = seq_len - num_queries
     first_key = 0 if window is None else max(0, first_query - window + 1)
     first_block = first_key // block_size
-    blocks = table[first_block:(seq_len - 1) // block_size + 1]
+    blocks = table[first_block : (seq_len - 1) // block_size + 1]
     slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)[None, :]).reshape(-1)
     start = first_block * block_size
     return slots[: seq_len - start], torch.arange(start, seq_len, device=table.device)
@@ -277,13 +333,19 @@ def _decode_attention(
     blocks = torch.where(valid_block, blocks, torch.zeros_like(blocks))
     offs = torch.arange(block_size, device=device)
     slots = (blocks[:, :, None] * block_size + offs).reshape(B, nb * block_size)  # [B, L]
-    k_pos = (first_t[:, None] * block_size + torch.arange(nb * block_size, device=device)[None, :])
+    k_pos = first_t[:, None] * block_size + torch.arange(nb * block_size, device=device)[None, :]
     q_pos = positions[:, None]
     mask = (k_pos <= q_pos) & valid_block.repeat_interleave(block_size, dim=1)
     if window is not None:
         mask &= k_pos > q_pos - window
     keys = k_flat[slots].transpose(1, 2)  # [B, nKV, L, D]
     values = v_flat[slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask[:, None, None, :],
-                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[1])
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :],
+        keys,
+        values,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[1],
+    )
     return out[:, :, 0, :]  # [B, nH, D]

@@ -29,9 +29,14 @@ _WIDEN_MIN_ROWS = 64  # below this the bf16 GEMM's conversion cost is smaller th
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] and w [N, K] of the same dtype -> [..., N] in x's dtype."""
-    if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.numel() > _WIDEN_MIN_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and w.requires_grad)
-            and is_x86_without_native_bf16()):
+    if (
+        x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.numel() > _WIDEN_MIN_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and w.requires_grad)
+        and is_x86_without_native_bf16()
+    ):
         return F.linear(x.float(), w.float()).to(torch.bfloat16)
     return F.linear(x, w)
 
@@ -45,8 +50,14 @@ class Linear(nn.Module):
     layer gets `reduce` (the rank's ParallelContext) and sums its partial products over the
     TP group in fp32, rounding once to the input dtype."""
 
-    def __init__(self, in_features: int, out_features: int, fmt: "LinearFormat", shard: Shard | None = None,
-                 reduce: "ParallelContext | None" = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        fmt: LinearFormat,
+        shard: Shard | None = None,
+        reduce: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.format = fmt

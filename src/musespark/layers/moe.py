@@ -55,8 +55,9 @@ class Router(nn.Module):
         self.routed_scaling_factor = cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(x, self.weight, self.e_score_correction_bias, self.top_k,
-                     self.output_multiplier, self.routed_scaling_factor)
+        return route(
+            x, self.weight, self.e_score_correction_bias, self.top_k, self.output_multiplier, self.routed_scaling_factor
+        )
 
 
 class Experts(nn.Module):
@@ -70,7 +71,7 @@ class Experts(nn.Module):
     width Im / tp, and the down-projection rows are all-reduced in fp32 *before* the
     post-expert norm (RMS is not linear in partial sums)."""
 
-    def __init__(self, cfg: ModelConfig, fmt: "ExpertsFormat", parallel: "ParallelContext" = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, fmt: ExpertsFormat, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         E, Hm, Im = cfg.num_local_experts, cfg.moe_hidden_size, cfg.moe_intermediate_size
         self.parallel = parallel
@@ -86,8 +87,10 @@ class Experts(nn.Module):
             block = Shard.range(0, self.first_expert, n_local, E)
             self._shards = {"gate_up_proj": block, "down_proj": block}
         elif parallel.tp_size > 1:
-            self._shards = {"gate_up_proj": Shard(1, ((i0, n_im), (Im + i0, n_im)), 2 * Im),
-                            "down_proj": Shard.range(2, i0, n_im, Im)}
+            self._shards = {
+                "gate_up_proj": Shard(1, ((i0, n_im), (Im + i0, n_im)), 2 * Im),
+                "down_proj": Shard.range(2, i0, n_im, Im),
+            }
 
     def tensor_specs(self) -> dict[str, TensorSpec]:
         """The checkpoint tensors of the experts (not the post-norm), by name relative to this module."""
@@ -125,7 +128,7 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             if first <= expert < first + self.local_experts:
-                ys.append(self.format.apply(self, expert - first, x[start:start + n], partial))  # [n, Hm]
+                ys.append(self.format.apply(self, expert - first, x[start : start + n], partial))  # [n, Hm]
             else:  # another EP rank's expert: contributes nothing here (a zero row stays zero)
                 ys.append(x.new_zeros(n, self.hidden))
             start += n
@@ -144,16 +147,19 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """f [T, H] (model dtype) -> b [T, H] (model dtype)."""
 
-    def __init__(self, cfg: ModelConfig, formats: "WeightFormats", prefix: str,
-                 parallel: "ParallelContext" = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, formats: WeightFormats, prefix: str, parallel: ParallelContext = SINGLE
+    ) -> None:
         super().__init__()
         self.gate = Router(cfg)  # router, pooler, norms and unpooler are replicated
-        self.pre_expert_proj = Linear(cfg.hidden_size, cfg.moe_hidden_size,
-                                      formats.linear(prefix + "pre_expert_proj"))  # pooler
+        self.pre_expert_proj = Linear(
+            cfg.hidden_size, cfg.moe_hidden_size, formats.linear(prefix + "pre_expert_proj")
+        )  # pooler
         self.pre_expert_norm = RMSNorm(cfg.moe_hidden_size, cfg.rms_norm_eps, gain_center=1.0)
         self.experts = Experts(cfg, formats.experts(prefix + "experts"), parallel)
-        self.post_expert_proj = Linear(cfg.moe_hidden_size, cfg.hidden_size,
-                                       formats.linear(prefix + "post_expert_proj"))  # unpooler
+        self.post_expert_proj = Linear(
+            cfg.moe_hidden_size, cfg.hidden_size, formats.linear(prefix + "post_expert_proj")
+        )  # unpooler
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(f)
@@ -165,8 +171,9 @@ class SparseMoeBlock(nn.Module):
 class DenseMlp(nn.Module):
     """SwiGLU: down(silu(gate f) * up f)."""
 
-    def __init__(self, cfg: ModelConfig, formats: "WeightFormats", prefix: str,
-                 parallel: "ParallelContext" = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, formats: WeightFormats, prefix: str, parallel: ParallelContext = SINGLE
+    ) -> None:
         super().__init__()
         H, I = cfg.hidden_size, cfg.intermediate_size
         i0, n = parallel.split(I, "intermediate_size")

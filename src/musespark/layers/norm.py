@@ -78,7 +78,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps, self.weight, self.gain_center, out_dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, gain_center={self.gain_center}, input_scaled={self.input_scaled}"
+        return (
+            f"{self.weight.shape[0]}, eps={self.eps}, gain_center={self.gain_center}, input_scaled={self.input_scaled}"
+        )
 
 
 class ResidualGate(nn.Module):

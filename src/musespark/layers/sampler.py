@@ -102,9 +102,17 @@ class SamplingBatch:
         # The float fields as the rows of one tensor (one small op, not six: each costs 10-30 µs
         # in a decode step whose weights just streamed through the CPU's caches).
         temperature, top_p, min_p, presence, frequency, repetition = torch.tensor(
-            [[1.0 if g else p.temperature for p, g in zip(params, greedy)], [p.top_p for p in params],
-             [p.min_p for p in params], [p.presence_penalty for p in params], [p.frequency_penalty for p in params],
-             [p.repetition_penalty for p in params]], dtype=torch.float32, device=device)
+            [
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.repetition_penalty for p in params],
+            ],
+            dtype=torch.float32,
+            device=device,
+        )
         return cls(
             temperature=temperature,
             top_p=top_p,
@@ -195,8 +203,7 @@ class LogitAdjustments:
         items = [(t, b) for t, b in bias.items() if 0 <= t < self.vocab_size]
         if items:
             ids, vals = zip(*items)
-            self._get()[row].index_add_(0, self._ids(ids), torch.tensor(vals, dtype=torch.float32,
-                                                                        device=self.device))
+            self._get()[row].index_add_(0, self._ids(ids), torch.tensor(vals, dtype=torch.float32, device=self.device))
 
     def add_request(self, row: int, params: SamplingParams, output_token_ids: Sequence[int]) -> None:
         """The request's logit_bias, allowed_token_ids and bad_words (none: no work)."""
@@ -220,7 +227,7 @@ def banned_by_bad_words(bad_words_token_ids: list[list[int]], output_token_ids: 
         prefix = len(seq) - 1
         if prefix > n:
             continue
-        if prefix == 0 or list(output_token_ids[n - prefix:]) == seq[:-1]:
+        if prefix == 0 or list(output_token_ids[n - prefix :]) == seq[:-1]:
             banned.append(seq[-1])
     return banned
 
@@ -290,8 +297,12 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     return (probs / q).argmax(dim=-1)
 
 
-def adjusted_logits(logits: torch.Tensor, batch: SamplingBatch, min_tokens_mask: torch.Tensor | None = None,
-                    logit_adjust: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def adjusted_logits(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    min_tokens_mask: torch.Tensor | None = None,
+    logit_adjust: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw fp32 logits, logits after the adjustments and penalties) [B, V]; a greedy row's
     token is the argmax of the second (`sample` and speculative verification share this)."""
     raw = logits.float()

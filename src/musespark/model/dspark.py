@@ -18,16 +18,25 @@ serves inference (flat rows) and training (batched sequences).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .dspark_config import DSparkConfig, gain_center
-from .dspark_layers import (DraftNorm, FeedForward, GatedAdd, attention_scores, derived_weight, head_rms,
-                            interleaved_rope, position_mask, rope_table)
+from .dspark_layers import (
+    DraftNorm,
+    FeedForward,
+    GatedAdd,
+    attention_scores,
+    derived_weight,
+    head_rms,
+    interleaved_rope,
+    position_mask,
+    rope_table,
+)
 
 # attend(layer, q [*B, Q, nh, hd], k, v [*B, Q, nkv, hd]) -> o [*B, Q, nh, hd]: the block's
 # attention over whatever context the caller holds (cache, training pack, reference).
@@ -58,8 +67,10 @@ class DraftLayer(nn.Module):
         if cfg.layer_uses_rope(ell) != cfg.use_rope:
             raise ValueError(f"draft layer {index}: positional mode differs from use_rope (every_n_layers_nope)")
         if cfg.is_moe(ell):
-            raise ValueError(f"draft layer {index} would be MoE (global index {ell}); the draft is dense only: "
-                             "set moe.is_enabled=false")
+            raise ValueError(
+                f"draft layer {index} would be MoE (global index {ell}); the draft is dense only: "
+                "set moe.is_enabled=false"
+            )
         self.cfg, self.index, self.ell = cfg, index, ell
         self.window = cfg.layer_window(ell)
         self.self_attn = DraftAttention(cfg, 1.0 if zc else 0.0)
@@ -67,16 +78,23 @@ class DraftLayer(nn.Module):
 
         def center(rid: int) -> float:
             return gain_center(post, rid) if zc else 0.0
+
         self.post_attn_norm = DraftNorm(H, cfg.post_eps, cfg.post_norm_affine, center(2 * ell + 1))
         self.pre_ffn_norm = DraftNorm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
         self.feed_forward = FeedForward(H, cfg.intermediate_size)
-        self.post_ffn_norm = DraftNorm(H, cfg.post_eps, cfg.use_ffn_learnable_scales or cfg.post_norm_affine,
-                                       center(2 * ell + 2), input_scaled=cfg.use_ffn_learnable_scales)
+        self.post_ffn_norm = DraftNorm(
+            H,
+            cfg.post_eps,
+            cfg.use_ffn_learnable_scales or cfg.post_norm_affine,
+            center(2 * ell + 2),
+            input_scaled=cfg.use_ffn_learnable_scales,
+        )
         self.add_attn = GatedAdd(H) if cfg.use_residual_gate else None
         self.add_ffn = GatedAdd(H) if cfg.use_residual_gate else None
 
-    def kv(self, u: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
-           table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(
+        self, u: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, table: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (QK-normed, rotated) and values of normed inputs u [*B, Q, H] -> [*B, Q, nkv, hd] in dtype."""
         cfg, a = self.cfg, self.self_attn
         if torch.is_grad_enabled():
@@ -96,8 +114,9 @@ class DraftLayer(nn.Module):
     def _add(self, gate: GatedAdd | None, s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return s + b.to(s.dtype) if gate is None else gate(s, b)
 
-    def _qkv(self, u: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _qkv(
+        self, u: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inference form of the projections: one matmul over the stacked [q | k | v | o_gate]
         rows (vLLM's qkv_proj order), one QK-norm and one rotation for q and k together."""
         cfg, a = self.cfg, self.self_attn
@@ -106,15 +125,21 @@ class DraftLayer(nn.Module):
         if a.o_gate_proj is not None:
             parts.append(a.o_gate_proj.weight)
         x = F.linear(u, derived_weight(self, "qkv", parts))
-        qk = head_rms(x[..., :(nh + nkv) * hd].unflatten(-1, (nh + nkv, hd)), cfg.rms_norm_eps).to(dtype)
+        qk = head_rms(x[..., : (nh + nkv) * hd].unflatten(-1, (nh + nkv, hd)), cfg.rms_norm_eps).to(dtype)
         if cfg.use_rope:
             qk = interleaved_rope(qk, positions, cfg.rope_theta, table=self.rope(positions, dtype)).to(dtype)
-        v = x[..., (nh + nkv) * hd:(nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd))
-        g = x[..., (nh + 2 * nkv) * hd:].unflatten(-1, (nh, hd)) if a.o_gate_proj is not None else None
+        v = x[..., (nh + nkv) * hd : (nh + 2 * nkv) * hd].unflatten(-1, (nkv, hd))
+        g = x[..., (nh + 2 * nkv) * hd :].unflatten(-1, (nh, hd)) if a.o_gate_proj is not None else None
         return qk[..., :nh, :], qk[..., nh:, :], v, g
 
-    def forward(self, s: torch.Tensor, positions: torch.Tensor, attend: Attend, dtype: torch.dtype,
-                context: Context | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        s: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        dtype: torch.dtype,
+        context: Context | None = None,
+    ) -> torch.Tensor:
         """s [*B, Q, H] in R, positions [*B, Q] -> new stream in R; `dtype` = D. With `context`
         (c [n, H] in D, their positions [n], store): first hand this layer's context K/V of those
         rows to store(layer, k, v) — without gradients in the same matmuls as the block's rows."""
@@ -139,17 +164,30 @@ class DraftLayer(nn.Module):
         q = head_rms(a.q_proj(u).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)), cfg.rms_norm_eps).to(dtype)
         if cfg.temperature_tuned(self.ell):
             scale = 1 + cfg.attn_temperature_tuning_q_scale_constant * torch.log(
-                (positions.float() + 1) / cfg.attn_temperature_tuning_floor_scale)
+                (positions.float() + 1) / cfg.attn_temperature_tuning_floor_scale
+            )
             q = (q.float() * scale.clamp(min=1.0)[..., None, None]).to(dtype)
         table = self.rope(positions, dtype) if cfg.use_rope else None
         if table is not None:
             q = interleaved_rope(q, positions, cfg.rope_theta, table=table).to(dtype)
         k, v = self.kv(u, positions, dtype, table)
-        g = a.o_gate_proj(u).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)) if a.o_gate_proj is not None else None
+        g = (
+            a.o_gate_proj(u).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
+            if a.o_gate_proj is not None
+            else None
+        )
         return self._finish(s, q, k, v, g, attend, dtype)
 
-    def _finish(self, s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                g: torch.Tensor | None, attend: Attend, dtype: torch.dtype) -> torch.Tensor:
+    def _finish(
+        self,
+        s: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor | None,
+        attend: Attend,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """Attention from the projected q/k/v (and gate), then the residual adds and the FFN."""
         cfg, a = self.cfg, self.self_attn
         o = attend(self.index, q, k, v)  # [*B, Q, nh, hd]
@@ -187,8 +225,11 @@ class DSparkDraft(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg, i, target_num_layers + i) for i in range(cfg.num_hidden_layers))
         self.norm = DraftNorm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.d_vocab, cfg.markov_rank)
-        self.confidence_head = ConfidenceHead(H + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)) \
-            if cfg.enable_confidence_head else None
+        self.confidence_head = (
+            ConfidenceHead(H + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
+            if cfg.enable_confidence_head
+            else None
+        )
         self.lm_head = nn.Linear(H, cfg.d_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.d_vocab, dtype=torch.long))
 
@@ -218,8 +259,14 @@ class DSparkDraft(nn.Module):
         return [layer.kv(layer.self_attn.pre_qkv_proj_norm(c, D), positions, D, table) for layer in self.layers]
 
     # -- (b) block pass ------------------------------------------------------------------
-    def block_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor,
-                     attend: Attend, context: Context | None = None) -> torch.Tensor:
+    def block_hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        embed: torch.Tensor,
+        attend: Attend,
+        context: Context | None = None,
+    ) -> torch.Tensor:
         """tokens, positions [*B, Q] (anchor then masks), embed = the target's raw table [V, H]
         -> y [*B, Q, H] in D; y_k predicts the token at position positions_k + 1. `context`:
         new context rows whose per-layer K/V each layer stores before its attention."""
@@ -230,7 +277,7 @@ class DSparkDraft(nn.Module):
         return self.norm(s.to(D), D)
 
     def attention_scale(self) -> float:
-        return self.config.q_scale / self.config.head_dim ** 0.5
+        return self.config.q_scale / self.config.head_dim**0.5
 
     # -- (c) heads -----------------------------------------------------------------------
     def markov_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -251,9 +298,13 @@ class DSparkDraft(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def choose(self, y: torch.Tensor, anchors: torch.Tensor,
-               sample: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
-               with_confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def choose(
+        self,
+        y: torch.Tensor,
+        anchors: torch.Tensor,
+        sample: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        with_confidence: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sequential stage over y [B, N, H] starting from anchors [B] (target ids).
         `sample(l' [B, V_d], k) -> draft ids [B]` (None: greedy argmax). Returns target ids
         [B, N], l' [B, N, V_d] fp32 (None when greedy: not needed) and the confidence [B, N]
@@ -264,11 +315,15 @@ class DSparkDraft(nn.Module):
         mh = self.markov_head
         base = self.lm_head(y).float()  # [B, N, V_d] b_k, in the lm_head dtype, then fp32
         w1, w2 = mh.markov_w1.weight, mh.markov_w2.weight
-        to_target = derived_weight(self, "to_target", [self.d2t],
-                                   lambda: torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t)
+        to_target = derived_weight(
+            self, "to_target", [self.d2t], lambda: torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+        )
         # small vocabularies: the whole bias table w1 w2^T [V_in, V_d] once, a row lookup per step
-        table = derived_weight(self, "markov", [w1, w2], lambda: F.linear(w1, w2).float()) \
-            if w1.shape[0] * w2.shape[0] <= MARKOV_TABLE_MAX and not torch.is_grad_enabled() else None
+        table = (
+            derived_weight(self, "markov", [w1, w2], lambda: F.linear(w1, w2).float())
+            if w1.shape[0] * w2.shape[0] <= MARKOV_TABLE_MAX and not torch.is_grad_enabled()
+            else None
+        )
         prev, toks, logits, conf = anchors, [], [], []
         for k in range(y.shape[1]):
             bias = table[prev] if table is not None else F.linear(w1[prev], w2).float()  # [B, V_d] = w2 . e_k
@@ -282,8 +337,11 @@ class DSparkDraft(nn.Module):
                 conf.append(self.confidence(y[:, k], prev))
             prev = to_target[d]
             toks.append(prev)
-        return (torch.stack(toks, 1), torch.stack(logits, 1) if logits else None,
-                torch.stack(conf, 1) if conf else None)
+        return (
+            torch.stack(toks, 1),
+            torch.stack(logits, 1) if logits else None,
+            torch.stack(conf, 1) if conf else None,
+        )
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
         """l' = softcap(mu * l), fp32."""
@@ -307,12 +365,14 @@ class DraftCache:
     gaps: bool = False
 
     @classmethod
-    def empty(cls, draft: DSparkDraft, capacity: int = 64, device: torch.device | str = "cpu") -> "DraftCache":
+    def empty(cls, draft: DSparkDraft, capacity: int = 64, device: torch.device | str = "cpu") -> DraftCache:
         cfg = draft.config
         shape = (cfg.num_hidden_layers, capacity, cfg.kv_heads, cfg.head_dim)
-        return cls(torch.zeros(shape, dtype=draft.dtype, device=device),
-                   torch.zeros(shape, dtype=draft.dtype, device=device),
-                   torch.zeros(capacity, dtype=torch.bool, device=device))
+        return cls(
+            torch.zeros(shape, dtype=draft.dtype, device=device),
+            torch.zeros(shape, dtype=draft.dtype, device=device),
+            torch.zeros(capacity, dtype=torch.bool, device=device),
+        )
 
     def write(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Invalidate positions >= start, then store kv (per layer [n, nkv, hd]) at [start, start+n).
@@ -323,8 +383,8 @@ class DraftCache:
 
     def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one layer's rows [n, nkv, hd] at [start, start+n) (after `prepare`)."""
-        self.k[layer, start:start + k.shape[0]] = k
-        self.v[layer, start:start + k.shape[0]] = v
+        self.k[layer, start : start + k.shape[0]] = k
+        self.v[layer, start : start + k.shape[0]] = v
 
     def prepare(self, start: int, n: int) -> None:
         """Make [start, start+n) the last known positions (rows to follow through `put`)."""
@@ -336,7 +396,7 @@ class DraftCache:
             self.v = torch.cat((self.v, self.v.new_zeros(grow)), 1)
             self.known = torch.cat((self.known, self.known.new_zeros(cap - self.known.shape[0])))
         if start > self.length:
-            self.known[self.length:start] = False
+            self.known[self.length : start] = False
         self.known[start:end] = True
         self.length = end
         self.gaps = not bool(self.known[:end].all())
@@ -359,4 +419,5 @@ def cached_attend(draft: DSparkDraft, caches: list[DraftCache], positions: torch
                 mask[:, :n] &= cache.known[:n]
             out.append(attention_scores(q[b], keys, values, mask, scale))
         return torch.stack(out)
+
     return attend

@@ -16,22 +16,52 @@ from pathlib import Path
 from typing import Any, Literal
 
 MODEL_TYPE = "muse_spark_dspark"
-GainCenterType = Literal["one", "zero", "inverse_residual_index", "inverse_residual_index_v2",
-                         "inverse_residual_index_p1", "inverse_sqrt_residual_index"]
+GainCenterType = Literal[
+    "one",
+    "zero",
+    "inverse_residual_index",
+    "inverse_residual_index_v2",
+    "inverse_residual_index_p1",
+    "inverse_sqrt_residual_index",
+]
 
 # Declared by the parent config (or written by tooling) but not read by the draft (§2.1).
-IGNORED_KEYS = frozenset({
-    "model_type", "architectures", "torch_dtype", "dtype", "transformers_version",
-    "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "use_fp32_for_output",
-    "numerics_args", "normalize_tok_embeddings", "gated_delta_net", "hf_overrides", "boi_token_index",
-    "eoi_token_index", "image_token_index", "logit_scale", "output_norm_gain_center_type",
-    "every_n_layers_global", "rope_is_neox_style",
-})
+IGNORED_KEYS = frozenset(
+    {
+        "model_type",
+        "architectures",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "tie_word_embeddings",
+        "use_fp32_for_output",
+        "numerics_args",
+        "normalize_tok_embeddings",
+        "gated_delta_net",
+        "hf_overrides",
+        "boi_token_index",
+        "eoi_token_index",
+        "image_token_index",
+        "logit_scale",
+        "output_norm_gain_center_type",
+        "every_n_layers_global",
+        "rope_is_neox_style",
+    }
+)
 # Alternative names of the mask token, in resolution order after `dflash_config.mask_token_id`.
 MASK_ALIASES = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
 MOE_KEYS = {"is_enabled": True, "interleave_moe_layer_step": 1, "n_dense_layers_before_moe": 0}
-METAP_KEYS = {"use_metap": False, "metap_mode": "mup", "base_width": 256, "router_has_one_inf_dim": True,
-              "m_emb": None, "use_metap_output_multiplier_without_metap": None}
+METAP_KEYS = {
+    "use_metap": False,
+    "metap_mode": "mup",
+    "base_width": 256,
+    "router_has_one_inf_dim": True,
+    "m_emb": None,
+    "use_metap_output_multiplier_without_metap": None,
+}
 
 
 @dataclass(frozen=True)
@@ -91,7 +121,7 @@ class DSparkConfig:
 
     # -- parsing -----------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "DSparkConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> DSparkConfig:
         """Strict parse of a draft config.json object; raises ValueError naming bad keys."""
         d = dict(raw)
         if d.get("model_type", MODEL_TYPE) != MODEL_TYPE:
@@ -130,16 +160,27 @@ class DSparkConfig:
         if unknown:
             raise ValueError(f"draft config: unknown key(s) {unknown}")
         out.update(d)
-        missing = [k for k in ("target_layer_ids", "target_hidden_size", "mask_token_id", "markov_rank",
-                               "enable_confidence_head") if k not in out]
+        missing = [
+            k
+            for k in (
+                "target_layer_ids",
+                "target_hidden_size",
+                "mask_token_id",
+                "markov_rank",
+                "enable_confidence_head",
+            )
+            if k not in out
+        ]
         if out.get("enable_confidence_head") and "confidence_head_with_markov" not in out:
             missing.append("confidence_head_with_markov")
         if missing:
             raise ValueError(f"draft config: missing required key(s) {missing}")
         out["target_layer_ids"] = tuple(int(i) for i in out["target_layer_ids"])
         if aux_ids is not None and tuple(aux_ids) != out["target_layer_ids"]:
-            raise ValueError(f"draft config: dspark/dflash target_layer_ids {aux_ids} disagree with "
-                             f"target_layer_ids {list(out['target_layer_ids'])}")
+            raise ValueError(
+                f"draft config: dspark/dflash target_layer_ids {aux_ids} disagree with "
+                f"target_layer_ids {list(out['target_layer_ids'])}"
+            )
         if aux_plus_one is not None and tuple(i - 1 for i in aux_plus_one) != out["target_layer_ids"]:
             raise ValueError("draft config: eagle_aux_hidden_state_layer_ids must be target_layer_ids + 1")
         gac = out.get("global_attn_cfg")
@@ -151,7 +192,7 @@ class DSparkConfig:
         return cfg
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "DSparkConfig":
+    def from_file(cls, path: str | Path) -> DSparkConfig:
         """Parse `path` (a config.json, or a directory holding one)."""
         p = Path(path)
         p = p / "config.json" if p.is_dir() else p
@@ -175,8 +216,10 @@ class DSparkConfig:
 
     def validate(self) -> None:
         """Reject configurations the draft cannot run (§2.1 notes, §8.6)."""
+
         def bad(msg: str) -> None:
             raise ValueError(f"draft config: {msg}")
+
         if not self.use_qk_norm:
             bad("use_qk_norm must be true (the context path always normalises K)")
         if self.non_linearity != "swiglu":
@@ -193,8 +236,11 @@ class DSparkConfig:
             bad(f"mask_token_id {self.mask_token_id} outside vocab_size {self.vocab_size}")
         if self.markov_rank <= 0:
             bad("markov_rank must be positive")
-        if not self.target_layer_ids or min(self.target_layer_ids) < 0 or \
-                list(self.target_layer_ids) != sorted(set(self.target_layer_ids)):
+        if (
+            not self.target_layer_ids
+            or min(self.target_layer_ids) < 0
+            or list(self.target_layer_ids) != sorted(set(self.target_layer_ids))
+        ):
             bad(f"target_layer_ids must be ascending, distinct and >= 0, got {list(self.target_layer_ids)}")
         if not 0 < self.d_vocab <= self.vocab_size:
             bad("draft_vocab_size must lie in (0, vocab_size]")
@@ -227,7 +273,7 @@ class DSparkConfig:
         """mu (§2.1 metap)."""
         if self.metap_use_metap and self.metap_router_has_one_inf_dim:
             ratio = self.hidden_size / self.metap_base_width
-            return ratio ** -1.0 if self.metap_metap_mode == "mup" else ratio ** -0.5
+            return ratio**-1.0 if self.metap_metap_mode == "mup" else ratio**-0.5
         return 1.0
 
     def layer_uses_rope(self, ell: int) -> bool:
@@ -247,14 +293,18 @@ class DSparkConfig:
         return w if isinstance(w, int) and w > 0 else None
 
     def temperature_tuned(self, ell: int) -> bool:
-        return (self.attn_temperature_tuning_floor_scale is not None
-                and self.attn_temperature_tuning_q_scale_constant is not None
-                and self.attn_temperature_tuning_layers == "global" and self.layer_window(ell) is None)
+        return (
+            self.attn_temperature_tuning_floor_scale is not None
+            and self.attn_temperature_tuning_q_scale_constant is not None
+            and self.attn_temperature_tuning_layers == "global"
+            and self.layer_window(ell) is None
+        )
 
     def is_moe(self, ell: int) -> bool:
         step = self.moe_interleave_moe_layer_step
-        return bool(self.moe_is_enabled and step > 0 and (ell + 1) % step == 0
-                    and ell >= self.moe_n_dense_layers_before_moe)
+        return bool(
+            self.moe_is_enabled and step > 0 and (ell + 1) % step == 0 and ell >= self.moe_n_dense_layers_before_moe
+        )
 
 
 def gain_center(kind: str, residual_id: int) -> float:

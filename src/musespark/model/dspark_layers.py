@@ -7,7 +7,7 @@ Every function takes arbitrary leading dims (`*B`).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,9 @@ from torch import nn
 _INV_FREQ: dict[tuple[float, int, str], torch.Tensor] = {}
 
 
-def rope_table(positions: torch.Tensor, theta: float, head_dim: int,
-               table_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def rope_table(
+    positions: torch.Tensor, theta: float, head_dim: int, table_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Complex rotations e^{i phi} [*B, Q, 1, hd/2] (complex64) at phi = pos * theta^(-2m/hd);
     cos and sin are fp32 values, rounded through `table_dtype` first if that is not fp32.
     Shared by q and k and by every layer of one pass."""
@@ -25,15 +26,21 @@ def rope_table(positions: torch.Tensor, theta: float, head_dim: int,
     inv = _INV_FREQ.get(key)
     if inv is None:
         inv = _INV_FREQ[key] = 1.0 / theta ** (
-            torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+            torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+        )
     ang = positions.float()[..., None, None] * inv
     if table_dtype == torch.float32:
         return torch.polar(torch.ones_like(ang), ang)
     return torch.complex(ang.cos().to(table_dtype).float(), ang.sin().to(table_dtype).float())
 
 
-def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
-                     table_dtype: torch.dtype = torch.float32, table: torch.Tensor | None = None) -> torch.Tensor:
+def interleaved_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float,
+    table_dtype: torch.dtype = torch.float32,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
     """GPT-J RoPE on pairs (x_2m, x_2m+1) at angle phi = pos * theta^(-2m/hd), full head rotated:
     (x_2m cos - x_2m+1 sin, x_2m+1 cos + x_2m sin), i.e. the pair as a complex number times e^{i phi}.
     x [*B, Q, heads, hd], positions [*B, Q] -> fp32 [*B, Q, heads, hd]; `table` = rope_table(...)."""
@@ -43,8 +50,9 @@ def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
     return torch.view_as_real(pairs * rot).flatten(-2)
 
 
-def derived_weight(owner: nn.Module, name: str, sources: list[torch.Tensor],
-                   make: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+def derived_weight(
+    owner: nn.Module, name: str, sources: list[torch.Tensor], make: Callable[[], torch.Tensor] | None = None
+) -> torch.Tensor:
     """A tensor derived from weights (default: torch.cat(sources) by rows), cached on `owner`
     until a source is replaced or modified in place (keyed by storage and version counter).
     Inference only: the result carries no gradient."""
@@ -120,8 +128,9 @@ class FeedForward(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+def attention_scores(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Masked softmax attention. q [*B, Q, nh, hd], k/v [*B, K, nkv, hd], mask [*B, Q, K] bool
     (True = visible) -> [*B, Q, nh, hd]. Query head h reads kv head h // (nh / nkv)."""
     groups = q.shape[-2] // k.shape[-2]

@@ -30,15 +30,16 @@ ALIASES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."),
 def canonical_name(name: str) -> str:
     """Checkpoint name -> module name: drop `model.`, apply the DFlash aliases."""
     if name.startswith("model."):
-        name = name[len("model."):]
+        name = name[len("model.") :]
     for old, new in ALIASES:
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
-def load_draft(path: str | Path, target_num_layers: int, dtype: torch.dtype = torch.bfloat16,
-               device: str | torch.device = "cpu") -> DSparkDraft:
+def load_draft(
+    path: str | Path, target_num_layers: int, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> DSparkDraft:
     """Build the draft of `path` for a target with `target_num_layers` layers, in eval mode."""
     path = Path(path)
     cfg = DSparkConfig.from_file(path)
@@ -63,8 +64,9 @@ def load_draft(path: str | Path, target_num_layers: int, dtype: torch.dtype = to
                 shape = tuple(st.entries[raw].shape)
                 if shape != tuple(spec.shape):
                     raise ValueError(f"{path}: tensor {raw!r} has shape {list(shape)}, expected {list(spec.shape)}")
-                out_dtype = torch.long if name == "d2t" else (
-                    torch.float32 if name.startswith("confidence_head.") else dtype)
+                out_dtype = (
+                    torch.long if name == "d2t" else (torch.float32 if name.startswith("confidence_head.") else dtype)
+                )
                 state[name] = st.read(raw, out_dtype).to(device)
     missing = sorted(set(want) - set(state))
     if missing:
@@ -81,8 +83,9 @@ def load_draft(path: str | Path, target_num_layers: int, dtype: torch.dtype = to
     return model.eval()
 
 
-def save_draft(model: DSparkDraft, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-               extra_config: dict | None = None) -> Path:
+def save_draft(
+    model: DSparkDraft, path: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None
+) -> Path:
     """Write config.json + model.safetensors (weights in `dtype`, confidence head fp32, d2t int64)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -101,9 +104,13 @@ def save_draft(model: DSparkDraft, path: str | Path, dtype: torch.dtype = torch.
     return path
 
 
-def target_forward_with_aux(target: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                            ctx: AttentionContext, layer_ids: tuple[int, ...]
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def target_forward_with_aux(
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+    layer_ids: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's forward (one process, no pipeline) that also returns the fp32 stream
     after each decoder layer in `layer_ids` (the tensor entering the next layer), ascending:
     -> (y [T, H] in the model dtype, aux [T, len(layer_ids) * H] fp32). Uses the model's own

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backends import Backend, TorchBackend
-from ..config import ModelConfig
 from ..checkpoint.names import Shard, TensorSpec
+from ..config import ModelConfig
 from ..layers.attention import AttentionContext
 from ..layers.linear import Linear
 from ..layers.moe import DenseMlp, SparseMoeBlock
@@ -38,8 +38,9 @@ class Attention(nn.Module):
     """The attention's weights and constants; the backend computes it (`Backend.attn_in`,
     `attention`, `attn_out`)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats, prefix: str,
-                 parallel: ParallelContext = SINGLE) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, formats: WeightFormats, prefix: str, parallel: ParallelContext = SINGLE
+    ) -> None:
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.layer = layer
@@ -72,8 +73,9 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", None, persistent=False)
         self.rope_table: RopeTable | None = None  # cos/sin by position, made at the first step
 
-    def rotary(self, positions: torch.Tensor, rope: Rope, max_position: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rotary(
+        self, positions: torch.Tensor, rope: Rope, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(cos, sin) [T, D] fp32 of this layer's base, shared through `rope` by layers of
         the same base (from this layer's `RopeTable`); None on NoPE layers. `max_position`:
         the largest of `positions`, when the caller knows it."""
@@ -90,8 +92,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, formats: WeightFormats, parallel: ParallelContext = SINGLE
-                 ) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer: int, formats: WeightFormats, parallel: ParallelContext = SINGLE
+    ) -> None:
         super().__init__()
         H, prefix = cfg.hidden_size, f"layers.{layer}."
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, gain_center=1.0)
@@ -105,8 +108,15 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_residual_gate = ResidualGate(H, cfg.residual_gate_temperature)
         self.post_norm_eps = cfg.post_norm_eps
 
-    def forward(self, s: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, rope: Rope,
-                backend: Backend, dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        self,
+        s: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        rope: Rope,
+        backend: Backend,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """s [T, H] fp32 stream -> new stream [T, H] fp32; `dtype` is the activation dtype."""
         q, k, v, g = backend.attn_in(self, s, self.self_attn.rotary(positions, rope, ctx.max_position), dtype)
         o = backend.attention(self.self_attn, q, k, v, positions, ctx)
@@ -152,8 +162,13 @@ class MuseSparkForCausalLM(nn.Module):
     `formats` gives each linear and the experts their weight format (default: dense).
     """
 
-    def __init__(self, cfg: ModelConfig, formats: WeightFormats | None = None, backend: Backend | None = None,
-                 parallel: ParallelContext = SINGLE) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        formats: WeightFormats | None = None,
+        backend: Backend | None = None,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:
         super().__init__()
         formats = formats or WeightFormats()
         self.config = cfg
@@ -164,8 +179,10 @@ class MuseSparkForCausalLM(nn.Module):
         self.layer_range = parallel.layer_range(cfg.num_hidden_layers)
         start, end = self.layer_range
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_first_stage else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, formats, parallel) if start <= i < end else MissingLayer()
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, formats, parallel) if start <= i < end else MissingLayer()
+            for i in range(cfg.num_hidden_layers)
+        )
         self.norm = self.lm_head = None
         if parallel.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gain_center=0.0)  # plain weight
@@ -201,8 +218,9 @@ class MuseSparkForCausalLM(nn.Module):
                 attn = module.self_attn
                 attn.inv_freq = inv_frequencies(attn.rope_theta, attn.head_dim).to(self.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, aux_layers: tuple[int, ...] = ()
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions [T] -> final hidden states y [T, H] in the model dtype.
 
         With `aux_layers` (ascending decoder layer indices; speculative drafters read them):
@@ -216,8 +234,11 @@ class MuseSparkForCausalLM(nn.Module):
         aux: list[torch.Tensor] = []
         with backend.step(ctx):
             # A backend may run the whole step in one call, with the same bits (Backend.decode_forward).
-            y = None if aux_layers or par.world_size > 1 else \
-                backend.decode_forward(self, input_ids, positions, ctx, rope, dtype)
+            y = (
+                None
+                if aux_layers or par.world_size > 1
+                else backend.decode_forward(self, input_ids, positions, ctx, rope, dtype)
+            )
             if y is not None:
                 return y
             if par.is_first_stage:
@@ -262,8 +283,11 @@ class MuseSparkForCausalLM(nn.Module):
             return self.compute_logits(hidden)
         import torch.distributed as dist  # pipeline: the last stage's logits, on every rank
 
-        logits = self.compute_logits(hidden) if par.is_last_stage else \
-            torch.empty(len(token_ids), self.config.vocab_size, dtype=torch.float32, device=self.device)
+        logits = (
+            self.compute_logits(hidden)
+            if par.is_last_stage
+            else torch.empty(len(token_ids), self.config.vocab_size, dtype=torch.float32, device=self.device)
+        )
         dist.broadcast(logits, src=par.stage_rank(par.pp_size - 1) - par.tp_rank)
         return logits
 
@@ -273,7 +297,7 @@ class MuseSparkForCausalLM(nn.Module):
         ids = list(token_ids)
         for _ in range(max_new_tokens):
             ids.append(int(self.prompt_logits(ids)[-1].argmax()))
-        return ids[len(token_ids):]
+        return ids[len(token_ids) :]
 
     def _check_ids(self, token_ids: list[int]) -> torch.Tensor:
         if len(token_ids) == 0:
@@ -283,8 +307,7 @@ class MuseSparkForCausalLM(nn.Module):
             raise ValueError(f"token_ids must be a flat list of ints, got shape {tuple(ids.shape)}")
         bad = (ids < 0) | (ids >= self.config.vocab_size)
         if bool(bad.any()):
-            raise ValueError(
-                f"token_ids must lie in [0, {self.config.vocab_size}), got {int(ids[bad][0])}")
+            raise ValueError(f"token_ids must lie in [0, {self.config.vocab_size}), got {int(ids[bad][0])}")
         return ids
 
 

@@ -4,5 +4,13 @@ the collectives the sharded decoder uses (`state.py`), and what each rank holds 
 from .plan import RankPlan, expert_range, plan_memory, pp_indices, pp_layer_split
 from .state import SINGLE, ParallelContext, init_parallel
 
-__all__ = ["SINGLE", "ParallelContext", "RankPlan", "expert_range", "init_parallel", "plan_memory", "pp_indices",
-           "pp_layer_split"]
+__all__ = [
+    "SINGLE",
+    "ParallelContext",
+    "RankPlan",
+    "expert_range",
+    "init_parallel",
+    "plan_memory",
+    "pp_indices",
+    "pp_layer_split",
+]

@@ -63,8 +63,9 @@ def _worker(rank: int, world: int, port: int, config: Any) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which stops us
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_TIMEOUT
+    )
     run_worker(config)
 
 
@@ -76,12 +77,14 @@ def run_worker(config: Any) -> None:
 
     p = config.parallel
     par = init_parallel(p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
-    model = load_model(config.model.path, dtype=config.model.dtype, backend="torch", parallel=par,
-                       nvfp4_mode=config.model.nvfp4_mode)
+    model = load_model(
+        config.model.path, dtype=config.model.dtype, backend="torch", parallel=par, nvfp4_mode=config.model.nvfp4_mode
+    )
     sizes = [None]
     dist.broadcast_object_list(sizes, src=0)
-    runner = ModelRunner(model, config.cache, config.scheduler.max_model_len, config.scheduler.max_num_seqs,
-                         num_blocks=sizes[0])
+    runner = ModelRunner(
+        model, config.cache, config.scheduler.max_model_len, config.scheduler.max_num_seqs, num_blocks=sizes[0]
+    )
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
@@ -102,8 +105,10 @@ class TensorParallelExecutor:
         if launched_externally():  # torchrun: rank 0 serves, every other rank is a worker
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.world:
-                raise ValueError(f"the launcher started {world} ranks but tensor_parallel_size x "
-                                 f"pipeline_parallel_size = {self.world}")
+                raise ValueError(
+                    f"the launcher started {world} ranks but tensor_parallel_size x "
+                    f"pipeline_parallel_size = {self.world}"
+                )
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
             if rank != 0:
@@ -112,16 +117,20 @@ class TensorParallelExecutor:
         else:
             port = _free_port()
             ctx = mp.get_context("spawn")
-            self.workers = [ctx.Process(target=_worker, args=(r, self.world, port, config), daemon=True,
-                                        name=f"musespark-tp{r}") for r in range(1, self.world)]
+            self.workers = [
+                ctx.Process(target=_worker, args=(r, self.world, port, config), daemon=True, name=f"musespark-tp{r}")
+                for r in range(1, self.world)
+            ]
             for w in self.workers:
                 w.start()
             self._watch = threading.Thread(target=self._watchdog, name="musespark-tp-watchdog", daemon=True)
             self._watch.start()
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world,
-                                    timeout=_TIMEOUT)
-        self.parallel: ParallelContext = init_parallel(par.tensor_parallel_size, par.pipeline_parallel_size,
-                                                       par.enable_expert_parallel)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world, timeout=_TIMEOUT
+            )
+        self.parallel: ParallelContext = init_parallel(
+            par.tensor_parallel_size, par.pipeline_parallel_size, par.enable_expert_parallel
+        )
         atexit.register(self.shutdown)
 
     def start(self, num_blocks: int) -> None:
@@ -135,10 +144,17 @@ class TensorParallelExecutor:
         while not self._closed:
             for rank, w in enumerate(self.workers, start=1):
                 if w.exitcode is not None and not self._closed:
-                    logger.error("tensor-parallel worker rank %d (pid %s) exited with code %s; stopping every rank",
-                                 rank, w.pid, w.exitcode)
-                    print(f"musespark: tensor-parallel worker rank {rank} exited with code {w.exitcode}; "
-                          "stopping every rank", flush=True)
+                    logger.error(
+                        "tensor-parallel worker rank %d (pid %s) exited with code %s; stopping every rank",
+                        rank,
+                        w.pid,
+                        w.exitcode,
+                    )
+                    print(
+                        f"musespark: tensor-parallel worker rank {rank} exited with code {w.exitcode}; "
+                        "stopping every rank",
+                        flush=True,
+                    )
                     for other in self.workers:
                         if other.is_alive():
                             other.kill()

@@ -67,8 +67,17 @@ from ..config import ModelConfig
 GB = 1e9  # PARALLEL.md §10's unit
 
 # Weight parts, in display order.
-PARTS = ("attention", "dense_mlp", "pooler_unpooler", "router", "router_bias", "experts", "norms_gates",
-         "embedding", "lm_head")
+PARTS = (
+    "attention",
+    "dense_mlp",
+    "pooler_unpooler",
+    "router",
+    "router_bias",
+    "experts",
+    "norms_gates",
+    "embedding",
+    "lm_head",
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -146,8 +155,9 @@ def pp_layer_split(num_layers: int, pp: int) -> list[int]:
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
     if pp > num_layers:
-        raise ValueError(f"pipeline_parallel_size={pp} exceeds num_hidden_layers={num_layers}: "
-                         "every stage needs at least one layer")
+        raise ValueError(
+            f"pipeline_parallel_size={pp} exceeds num_hidden_layers={num_layers}: every stage needs at least one layer"
+        )
     parts = [num_layers // pp] * pp
     for i in range(2, num_layers % pp + 2):
         parts[-i] += 1
@@ -165,8 +175,10 @@ def expert_range(num_experts: int, ep_rank: int, ep_size: int) -> tuple[int, int
     """[start, end) of the global experts EP rank `ep_rank` owns: a contiguous block of
     E // ep, the remainder one each to the lowest ranks (vLLM's linear expert map)."""
     if num_experts < ep_size:
-        raise ValueError(f"expert parallelism over {ep_size} ranks needs num_local_experts >= {ep_size}, "
-                         f"got {num_experts} (ep size = tensor_parallel_size with DP=1)")
+        raise ValueError(
+            f"expert parallelism over {ep_size} ranks needs num_local_experts >= {ep_size}, "
+            f"got {num_experts} (ep size = tensor_parallel_size with DP=1)"
+        )
     base, rem = divmod(num_experts, ep_size)
     start = ep_rank * base + min(ep_rank, rem)
     return start, start + base + (1 if ep_rank < rem else 0)
@@ -187,23 +199,39 @@ def _check(cfg: ModelConfig, tp: int, ep: bool, pp: int) -> None:
         ok = [t for t in range(1, cfg.num_key_value_heads + 1) if cfg.num_key_value_heads % t == 0]
         raise ValueError(
             f"tensor_parallel_size={tp} must divide num_key_value_heads={cfg.num_key_value_heads}: the fused "
-            f"QKV/output-gate projection shards KV heads without replication; choose one of {ok}")
+            f"QKV/output-gate projection shards KV heads without replication; choose one of {ok}"
+        )
     sparse = any(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers))
     dense = not all(cfg.is_sparse(i) for i in range(cfg.num_hidden_layers))
     if dense and cfg.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={cfg.intermediate_size} "
-                         "(dense MLP layers are split along it)")
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide intermediate_size={cfg.intermediate_size} "
+            "(dense MLP layers are split along it)"
+        )
     if sparse and ep:
         expert_range(cfg.num_local_experts, 0, tp)
     elif sparse and cfg.moe_intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} must divide moe_intermediate_size={cfg.moe_intermediate_size} "
-                         "(without expert parallelism every expert is split along it); or enable expert parallelism")
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide moe_intermediate_size={cfg.moe_intermediate_size} "
+            "(without expert parallelism every expert is split along it); or enable expert parallelism"
+        )
 
 
-def plan_memory(cfg: ModelConfig, tp: int = 1, ep: bool = False, pp: int = 1, quantization: str | None = None,
-                dtype: str = "bfloat16", block_size: int = 16, device_memory_gb: float | None = None,
-                max_model_len: int | None = None, *, max_num_seqs: int | None = None,
-                kv_cache_dtype: str = "auto", nvfp4_scope: str = "experts") -> list[RankPlan]:
+def plan_memory(
+    cfg: ModelConfig,
+    tp: int = 1,
+    ep: bool = False,
+    pp: int = 1,
+    quantization: str | None = None,
+    dtype: str = "bfloat16",
+    block_size: int = 16,
+    device_memory_gb: float | None = None,
+    max_model_len: int | None = None,
+    *,
+    max_num_seqs: int | None = None,
+    kv_cache_dtype: str = "auto",
+    nvfp4_scope: str = "experts",
+) -> list[RankPlan]:
     """One `RankPlan` per (pp stage, tp rank), in global-rank order (see the module docstring).
 
     `ep`: vLLM's --enable-expert-parallel (EP size = tp). `quantization`: None or "nvfp4".
@@ -265,8 +293,11 @@ def plan_memory(cfg: ModelConfig, tp: int = 1, ep: bool = False, pp: int = 1, qu
                     n = 3 * I * H
                     p["dense_mlp"] += n
                     if nvfp4 and nvfp4_scope == "experts+dense":
-                        w["dense_mlp"] += (2 * _nvfp4_bytes(I, H, "a dense gate/up_proj")
-                                           + _nvfp4_bytes(H, I, "a dense down_proj (I/tp)") + 3 * 2 * FP32)
+                        w["dense_mlp"] += (
+                            2 * _nvfp4_bytes(I, H, "a dense gate/up_proj")
+                            + _nvfp4_bytes(H, I, "a dense down_proj (I/tp)")
+                            + 3 * 2 * FP32
+                        )
                     else:
                         w["dense_mlp"] += n * b
                     continue
@@ -280,9 +311,11 @@ def plan_memory(cfg: ModelConfig, tp: int = 1, ep: bool = False, pp: int = 1, qu
                 w["norms_gates"] += 2 * Hm * b  # pre_expert_norm, post_expert_norm
                 p["experts"] += n_exp * 3 * Im * Hm
                 if nvfp4 and i not in bf16_expert_layers:
-                    q = n_exp * (_nvfp4_bytes(2 * Im, Hm, "experts.gate_up_proj (moe_hidden_size)")
-                                 + _nvfp4_bytes(Hm, Im, "experts.down_proj (moe_intermediate_size per rank)")
-                                 + 6 * FP32)
+                    q = n_exp * (
+                        _nvfp4_bytes(2 * Im, Hm, "experts.gate_up_proj (moe_hidden_size)")
+                        + _nvfp4_bytes(Hm, Im, "experts.down_proj (moe_intermediate_size per rank)")
+                        + 6 * FP32
+                    )
                     w["experts"] += q
                     quantized += q
                 else:
@@ -299,8 +332,13 @@ def plan_memory(cfg: ModelConfig, tp: int = 1, ep: bool = False, pp: int = 1, qu
 
             cap = min(cfg.sliding_window, max_model_len or cfg.sliding_window)
             cap = -(-cap // block_size) * block_size
-            kv = dict(kv_dtype_bytes=kvb, kv_bytes_per_token=full, kv_bytes_per_token_sliding=sliding,
-                      sliding_cap_tokens=cap, kv_bytes_per_seq_sliding=sliding * cap)
+            kv = dict(
+                kv_dtype_bytes=kvb,
+                kv_bytes_per_token=full,
+                kv_bytes_per_token_sliding=sliding,
+                sliding_cap_tokens=cap,
+                kv_bytes_per_seq_sliding=sliding * cap,
+            )
             notes: list[str] = []
             if device_memory_gb is not None:
                 mem = int(device_memory_gb * GB)
@@ -317,10 +355,21 @@ def plan_memory(cfg: ModelConfig, tp: int = 1, ep: bool = False, pp: int = 1, qu
                 if sum(w.values()) > mem:
                     notes.append(f"weights exceed the device memory ({sum(w.values()) / GB:.2f} > {mem / GB:.2f} GB)")
                 kv.update(device_memory_bytes=mem, kv_cache_bytes=avail, kv_tokens=tokens, max_seqs_at_max_len=seqs)
-            plans.append(RankPlan(
-                rank=pp_rank * tp + tp_rank, pp_rank=pp_rank, tp_rank=tp_rank, layers=(start, end),
-                experts=(e0, e1), expert_width=Im, weights=w, params=p, experts_quantized_bytes=quantized,
-                notes=tuple(notes), **kv))
+            plans.append(
+                RankPlan(
+                    rank=pp_rank * tp + tp_rank,
+                    pp_rank=pp_rank,
+                    tp_rank=tp_rank,
+                    layers=(start, end),
+                    experts=(e0, e1),
+                    expert_width=Im,
+                    weights=w,
+                    params=p,
+                    experts_quantized_bytes=quantized,
+                    notes=tuple(notes),
+                    **kv,
+                )
+            )
     return plans
 
 
@@ -335,5 +384,15 @@ def layer_params(cfg: ModelConfig) -> int:
     return sum(p.values()) - p["embedding"] - p["lm_head"] - cfg.hidden_size
 
 
-__all__ = ["GB", "PARTS", "RankPlan", "dtype_bytes", "expert_range", "layer_params", "plan_memory", "pp_indices",
-           "pp_layer_split", "total_params"]
+__all__ = [
+    "GB",
+    "PARTS",
+    "RankPlan",
+    "dtype_bytes",
+    "expert_range",
+    "layer_params",
+    "plan_memory",
+    "pp_indices",
+    "pp_layer_split",
+    "total_params",
+]

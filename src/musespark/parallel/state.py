@@ -32,8 +32,10 @@ class ParallelContext:
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's TP ranks (None: one process)
 
     def __post_init__(self) -> None:
-        for name, size, rank in (("tensor_parallel_size", self.tp_size, self.tp_rank),
-                                 ("pipeline_parallel_size", self.pp_size, self.pp_rank)):
+        for name, size, rank in (
+            ("tensor_parallel_size", self.tp_size, self.tp_rank),
+            ("pipeline_parallel_size", self.pp_size, self.pp_rank),
+        ):
             if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
                 raise ValueError(f"{name}={size!r} with rank {rank!r}: need size >= 1 and 0 <= rank < size")
 
@@ -142,13 +144,16 @@ def init_parallel(tp: int, pp: int = 1, expert_parallel: bool = False) -> Parall
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != tp * pp:
-        raise ValueError(f"the process group has {world} ranks but tensor_parallel_size={tp} x "
-                         f"pipeline_parallel_size={pp} needs {tp * pp}")
+        raise ValueError(
+            f"the process group has {world} ranks but tensor_parallel_size={tp} x "
+            f"pipeline_parallel_size={pp} needs {tp * pp}"
+        )
     group = None
     for stage in range(pp):
         ranks = list(range(stage * tp, (stage + 1) * tp))
         g = dist.new_group(ranks) if tp > 1 else None
         if rank in ranks:
             group = g
-    return ParallelContext(tp_size=tp, tp_rank=rank % tp, pp_size=pp, pp_rank=rank // tp,
-                           expert_parallel=expert_parallel, tp_group=group)
+    return ParallelContext(
+        tp_size=tp, tp_rank=rank % tp, pp_size=pp, pp_rank=rank // tp, expert_parallel=expert_parallel, tp_group=group
+    )

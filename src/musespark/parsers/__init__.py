@@ -1,9 +1,9 @@
 """Output parsers: `--reasoning-parser` and `--tool-call-parser` (standard library only).
 
-    factory = get_parser_factory(args.reasoning_parser, "reasoning")   # ValueError if unknown
-    parser = factory(reasoning=True, tools=auto_tools, tool_names=tool_schemas_from_openai(tools))
-    for text in deltas: send(parser.feed(text))
-    send(parser.finish(finish_reason))
+factory = get_parser_factory(args.reasoning_parser, "reasoning")   # ValueError if unknown
+parser = factory(reasoning=True, tools=auto_tools, tool_names=tool_schemas_from_openai(tools))
+for text in deltas: send(parser.feed(text))
+send(parser.finish(finish_reason))
 """
 
 from __future__ import annotations

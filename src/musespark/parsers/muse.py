@@ -194,7 +194,9 @@ class ReasoningTokenCounter:
         return counted
 
 
-def resolve_finish_reason(engine_reason: str | None, has_tool_calls: bool, named_tool_choice: bool = False) -> str | None:
+def resolve_finish_reason(
+    engine_reason: str | None, has_tool_calls: bool, named_tool_choice: bool = False
+) -> str | None:
     """`tool_calls` if there are calls, the engine said `stop` and the choice is not a named
     function; `length` and others are kept (§3 step 4)."""
     if has_tool_calls and engine_reason == "stop" and not named_tool_choice:

@@ -87,6 +87,7 @@ def read_quantization_config(path: str | Path) -> tuple[dict[str, Any], str] | N
 
 def parse_quantization_config(raw: Any, source: str = "quantization_config") -> Nvfp4Config:
     """Validate a form A or form B config (see the module docstring); errors name the key."""
+
     def fail(key: str, why: str) -> ValueError:
         return ValueError(f"{source}: {key!r} {why}")
 
@@ -101,8 +102,9 @@ def parse_quantization_config(raw: Any, source: str = "quantization_config") -> 
             raise fail("quantization", f"must be an object, got {q!r}")
         missing = [k for k in _FORM_A_KEYS if k not in q]
         if missing:
-            raise fail(f"quantization.{missing[0]}", f"is missing; form A needs all of {list(_FORM_A_KEYS)} "
-                       "(null allowed)")
+            raise fail(
+                f"quantization.{missing[0]}", f"is missing; form A needs all of {list(_FORM_A_KEYS)} (null allowed)"
+            )
         algo, group, kv, exclude = q["quant_algo"], q["group_size"], q["kv_cache_quant_algo"], q["exclude_modules"]
         prefix = "quantization."
     elif "quant_method" in raw:  # form B
@@ -118,26 +120,36 @@ def parse_quantization_config(raw: Any, source: str = "quantization_config") -> 
             weights = g.get("weights") if isinstance(g, dict) else None
             if group is None and isinstance(weights, dict):
                 group = weights.get("group_size")
-        if groups and isinstance(algo, str) and algo.upper() == "NVFP4" and all(
-                isinstance(g, dict) and g.get("input_activations") is None for g in groups):
+        if (
+            groups
+            and isinstance(algo, str)
+            and algo.upper() == "NVFP4"
+            and all(isinstance(g, dict) and g.get("input_activations") is None for g in groups)
+        ):
             algo = "W4A16_NVFP4"  # vLLM's silent downgrade: no activation quantization configured
         scheme = raw.get("kv_cache_scheme")
         kv = None if scheme is None else "FP8"
         prefix = ""
     else:
-        raise ValueError(f"{source}: not a ModelOpt quantization config: expected form A ('producer' and "
-                         f"'quantization') or form B ('quant_method': 'modelopt'), got keys {sorted(raw)}")
+        raise ValueError(
+            f"{source}: not a ModelOpt quantization config: expected form A ('producer' and "
+            f"'quantization') or form B ('quant_method': 'modelopt'), got keys {sorted(raw)}"
+        )
     if not isinstance(algo, str) or algo.upper() not in ALGOS:
         raise fail(prefix + "quant_algo", f"must be one of {list(ALGOS)} (case-insensitive), got {algo!r}")
     group = GROUP_SIZE if group is None else group
     if group != GROUP_SIZE:
         raise fail(prefix + "group_size", f"must be {GROUP_SIZE} (NVFP4's block size), got {group!r}")
     if kv is not None:
-        raise fail(prefix + ("kv_cache_quant_algo" if prefix else "kv_cache_scheme"),
-                   f"asks for an FP8 KV cache ({kv!r}), which is not supported; expected null")
+        raise fail(
+            prefix + ("kv_cache_quant_algo" if prefix else "kv_cache_scheme"),
+            f"asks for an FP8 KV cache ({kv!r}), which is not supported; expected null",
+        )
     exclude = [] if exclude is None else exclude
     if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
-        raise fail(prefix + ("exclude_modules" if prefix else "ignore"), f"must be a list of module names, got {exclude!r}")
+        raise fail(
+            prefix + ("exclude_modules" if prefix else "ignore"), f"must be a list of module names, got {exclude!r}"
+        )
     return Nvfp4Config(algo.upper(), tuple(exclude), source)
 
 
@@ -148,8 +160,10 @@ class Nvfp4WeightFormats(WeightFormats):
     def __init__(self, config: Nvfp4Config, mode: str = "weight-only") -> None:
         self.config, self.mode = config, check_mode(mode)
         if mode == "w4a4" and not config.input_scales:
-            raise ValueError(f"{config.source}: nvfp4_mode 'w4a4' needs input scales, but quant_algo is "
-                             f"{config.quant_algo!r} (weight-only); use nvfp4_mode='weight-only'")
+            raise ValueError(
+                f"{config.source}: nvfp4_mode 'w4a4' needs input scales, but quant_algo is "
+                f"{config.quant_algo!r} (weight-only); use nvfp4_mode='weight-only'"
+            )
 
     def linear(self, name: str) -> LinearFormat:
         if self.config.is_excluded(name):

@@ -23,8 +23,10 @@ class DenseLinear(LinearFormat):
 
 class DenseExperts(ExpertsFormat):
     def tensors(self, num_experts: int, intermediate: int, hidden: int) -> dict[str, TensorSpec]:
-        return {"gate_up_proj": TensorSpec((num_experts, 2 * intermediate, hidden)),
-                "down_proj": TensorSpec((num_experts, hidden, intermediate))}
+        return {
+            "gate_up_proj": TensorSpec((num_experts, 2 * intermediate, hidden)),
+            "down_proj": TensorSpec((num_experts, hidden, intermediate)),
+        }
 
     def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
         gate, up = linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, Im] each

@@ -15,8 +15,9 @@ def register_tensors(module: nn.Module, specs: dict[str, TensorSpec]) -> None:
     loader builds on meta and assigns). Float specs take the default dtype and train;
     fixed non-float ones (packed codes) do not."""
     for name, spec in specs.items():
-        module.register_parameter(name, nn.Parameter(torch.zeros(spec.shape, dtype=spec.dtype),
-                                                     requires_grad=spec.dtype is None))
+        module.register_parameter(
+            name, nn.Parameter(torch.zeros(spec.shape, dtype=spec.dtype), requires_grad=spec.dtype is None)
+        )
 
 
 class LinearFormat(ABC):

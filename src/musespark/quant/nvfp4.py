@@ -39,8 +39,9 @@ def check_mode(mode: str) -> str:
 
 def _check_k(name: str, k: int, what: str) -> None:
     if k % BLOCK:
-        raise ValueError(f"{name}: NVFP4 needs {what} to be a multiple of {BLOCK}, got {k} "
-                         "(exclude this module or pad it)")
+        raise ValueError(
+            f"{name}: NVFP4 needs {what} to be a multiple of {BLOCK}, got {k} (exclude this module or pad it)"
+        )
 
 
 class Nvfp4Linear(LinearFormat):
@@ -57,9 +58,11 @@ class Nvfp4Linear(LinearFormat):
     def tensors(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         _check_k(self.name, in_features, "in_features (K)")
         N, K = out_features, in_features
-        specs = {"weight": TensorSpec((N, K // 2), CODES),
-                 "weight_scale": TensorSpec((N, K // BLOCK), SCALE),
-                 "weight_scale_2": TensorSpec((), torch.float32)}
+        specs = {
+            "weight": TensorSpec((N, K // 2), CODES),
+            "weight_scale": TensorSpec((N, K // BLOCK), SCALE),
+            "weight_scale_2": TensorSpec((), torch.float32),
+        }
         if self.input_scales:
             specs["input_scale"] = TensorSpec((), torch.float32)
         return specs
@@ -97,12 +100,14 @@ class Nvfp4Experts(ExpertsFormat):
         _check_k(self.name, hidden, "moe_hidden_size (gate_up_proj's K)")
         _check_k(self.name, intermediate, "moe_intermediate_size (down_proj's K)")
         E, I, Hm = num_experts, intermediate, hidden
-        specs = {"gate_up_proj": TensorSpec((E, 2 * I, Hm // 2), CODES),
-                 "gate_up_proj_weight_scale": TensorSpec((E, 2 * I, Hm // BLOCK), SCALE),
-                 "gate_up_proj_weight_scale_2": TensorSpec((E, 2), torch.float32),
-                 "down_proj": TensorSpec((E, Hm, I // 2), CODES),
-                 "down_proj_weight_scale": TensorSpec((E, Hm, I // BLOCK), SCALE),
-                 "down_proj_weight_scale_2": TensorSpec((E,), torch.float32)}
+        specs = {
+            "gate_up_proj": TensorSpec((E, 2 * I, Hm // 2), CODES),
+            "gate_up_proj_weight_scale": TensorSpec((E, 2 * I, Hm // BLOCK), SCALE),
+            "gate_up_proj_weight_scale_2": TensorSpec((E, 2), torch.float32),
+            "down_proj": TensorSpec((E, Hm, I // 2), CODES),
+            "down_proj_weight_scale": TensorSpec((E, Hm, I // BLOCK), SCALE),
+            "down_proj_weight_scale_2": TensorSpec((E,), torch.float32),
+        }
         if self.input_scales:
             specs["gate_up_proj_input_scale"] = TensorSpec((E, 2), torch.float32)
             specs["down_proj_input_scale"] = TensorSpec((E,), torch.float32)
@@ -116,10 +121,12 @@ class Nvfp4Experts(ExpertsFormat):
 
     def dequantized(self, module: nn.Module, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s decoded (gate_up [2I, Hm], down [Hm, I]) in fp32."""
-        gate_up = dequantize(module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert],
-                             self.gate_up_global(module, expert))
-        down = dequantize(module.down_proj[expert], module.down_proj_weight_scale[expert],
-                          module.down_proj_weight_scale_2[expert])
+        gate_up = dequantize(
+            module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert], self.gate_up_global(module, expert)
+        )
+        down = dequantize(
+            module.down_proj[expert], module.down_proj_weight_scale[expert], module.down_proj_weight_scale_2[expert]
+        )
         return gate_up, down
 
     def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
@@ -146,8 +153,7 @@ class Nvfp4Experts(ExpertsFormat):
 
 def scale_tensor_names(specs: dict[str, TensorSpec]) -> list[str]:
     """The names among `specs` (relative, any module) that are NVFP4 scales, to check for NaN/inf."""
-    return [n for n, s in specs.items()
-            if s.dtype == SCALE or n.endswith(("weight_scale_2", "input_scale"))]
+    return [n for n, s in specs.items() if s.dtype == SCALE or n.endswith(("weight_scale_2", "input_scale"))]
 
 
 def check_finite_scales(state: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -180,11 +186,13 @@ def check_checkpoint_layout(path: str | Path, specs: dict[str, TensorSpec]) -> N
                         f"{file}: tensor {disk!r} is a per-expert tensor; NVFP4 experts must be stored fused, "
                         f"one 3-D set per layer: {per_expert.group(1)}.gate_up_proj uint8 [E, 2I, Hm/2], "
                         "gate_up_proj_weight_scale e4m3 [E, 2I, Hm/16], gate_up_proj_weight_scale_2 fp32 [E, 2], "
-                        "down_proj uint8 [E, Hm, I/2], ... (NVFP4.md §3)")
+                        "down_proj uint8 [E, Hm, I/2], ... (NVFP4.md §3)"
+                    )
                 spec = specs.get(rel)
                 if spec is not None and spec.dtype == CODES and entry.dtype.is_floating_point:
                     module = rel.rsplit(".", 1)[0]
                     raise ValueError(
                         f"{file}: tensor {disk!r} is stored as {entry.dtype}, but module {module!r} is not in the "
                         f"quantization config's exclude list, so NVFP4 packed uint8 codes of shape "
-                        f"{list(spec.full_shape)} (and its scales) are expected; quantize it or exclude it")
+                        f"{list(spec.full_shape)} (and its scales) are expected; quantize it or exclude it"
+                    )

@@ -20,11 +20,12 @@ import torch
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
-E4M3_MIN_SUBNORMAL = 2.0 ** -9
+E4M3_MIN_SUBNORMAL = 2.0**-9
 GLOBAL_DIVISOR = E2M1_MAX * E4M3_MAX  # 2688: amax / 2688 is the global decode multiplier
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
+)
 # Midpoints between consecutive E2M1 magnitudes; a tie goes to the even code (mantissa bit 0):
 # 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4, |v| > 5 -> 6 (saturating).
 _BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)

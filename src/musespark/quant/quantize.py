@@ -45,8 +45,14 @@ from .format import WeightFormats
 from .nvfp4_math import BLOCK, global_scale, quantize
 
 SCOPES = ("experts", "linear")
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                "chat_template.jinja", "chat_template.json")
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 MAX_PROMPT_TOKENS = 256
 PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the format ModelOpt 0.47.0 writes (NVFP4.md §1)
 
@@ -78,7 +84,9 @@ def fused_group(name: str) -> str:
     return name
 
 
-def quantize_linear(w: torch.Tensor, weight_amax: torch.Tensor, input_amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def quantize_linear(
+    w: torch.Tensor, weight_amax: torch.Tensor, input_amax: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """One linear's NVFP4 tensors (relative to it) from its float weight [N, K]; `weight_amax`:
     the amax the global scale comes from (the fused group's); `input_amax`: the calibrated
     activation amax (None: no `input_scale`)."""
@@ -90,8 +98,13 @@ def quantize_linear(w: torch.Tensor, weight_amax: torch.Tensor, input_amax: torc
     return out
 
 
-def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_input_amax: torch.Tensor | None,
-                     down_input_amax: torch.Tensor | None, share_gate_up: bool = True) -> dict[str, torch.Tensor]:
+def quantize_experts(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_input_amax: torch.Tensor | None,
+    down_input_amax: torch.Tensor | None,
+    share_gate_up: bool = True,
+) -> dict[str, torch.Tensor]:
     """The fused NVFP4 expert tensors (NVFP4.md §3, relative to the experts module) from
     gate_up [E, 2I, Hm] and down [E, Hm, I]; the input amaxes are shared by all experts.
     `share_gate_up` (default): each expert's gate and up get one global scale from their
@@ -107,8 +120,14 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor, gate_up_input_am
     packed_gu, scale_gu = quantize(gate_up, ws2_gu.repeat_interleave(two_i // 2, dim=1)[:, :, None])
     ws2_d = global_scale(down.float().abs().amax(dim=(1, 2)))  # [E]
     packed_d, scale_d = quantize(down, ws2_d[:, None, None])
-    out = {"gate_up_proj": packed_gu, "gate_up_proj_weight_scale": scale_gu, "gate_up_proj_weight_scale_2": ws2_gu,
-           "down_proj": packed_d, "down_proj_weight_scale": scale_d, "down_proj_weight_scale_2": ws2_d}
+    out = {
+        "gate_up_proj": packed_gu,
+        "gate_up_proj_weight_scale": scale_gu,
+        "gate_up_proj_weight_scale_2": ws2_gu,
+        "down_proj": packed_d,
+        "down_proj_weight_scale": scale_d,
+        "down_proj_weight_scale_2": ws2_d,
+    }
     if gate_up_input_amax is not None and down_input_amax is not None:
         out["gate_up_proj_input_scale"] = global_scale(gate_up_input_amax).expand(E, 2).contiguous()
         out["down_proj_input_scale"] = global_scale(down_input_amax).expand(E).contiguous()
@@ -128,16 +147,26 @@ def exclude_list(model: nn.Module, quantized: list[str]) -> list[str]:
 
 
 def config_form_a(exclude: list[str]) -> dict:
-    return {"producer": dict(PRODUCER),
-            "quantization": {"quant_algo": "NVFP4", "group_size": BLOCK, "kv_cache_quant_algo": None,
-                             "exclude_modules": exclude}}
+    return {
+        "producer": dict(PRODUCER),
+        "quantization": {
+            "quant_algo": "NVFP4",
+            "group_size": BLOCK,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": exclude,
+        },
+    }
 
 
 def config_form_b(exclude: list[str]) -> dict:
     fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK}
-    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "producer": dict(PRODUCER),
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(fp4), "input_activations": dict(fp4)}},
-            "ignore": exclude}
+    return {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "producer": dict(PRODUCER),
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(fp4), "input_activations": dict(fp4)}},
+        "ignore": exclude,
+    }
 
 
 def calibration_texts(n: int, file: str | Path | None = None) -> list[str]:
@@ -192,6 +221,7 @@ def calibrate(model: nn.Module, quantized: list[str], prompts: list[list[int]]) 
     for name in quantized:
         module = modules[name]
         if isinstance(module, Experts):
+
             def hook(mod, inputs, name=name):
                 u = inputs[0]  # [T, Hm]: what every routed expert's GEMM1 reads
                 amax.update(amax.experts_in, name, u)
@@ -199,8 +229,10 @@ def calibrate(model: nn.Module, quantized: list[str], prompts: list[list[int]]) 
                     gate, up = linear(u, mod.gate_up_proj[e]).chunk(2, dim=-1)
                     amax.update(amax.experts_h, name, F.silu(gate) * up)
         else:
+
             def hook(mod, inputs, name=name):
                 amax.update(amax.linear, name, inputs[0])
+
         handles.append(module.register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
@@ -212,8 +244,14 @@ def calibrate(model: nn.Module, quantized: list[str], prompts: list[list[int]]) 
     return amax
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, scope: str = "experts", calibration_prompts: int = 16,
-                        calibration_file: str | Path | None = None, log=print) -> dict:
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    scope: str = "experts",
+    calibration_prompts: int = 16,
+    calibration_file: str | Path | None = None,
+    log=print,
+) -> dict:
     """Quantize checkpoint `src` into directory `dst` (see the module docstring); returns a
     summary {"quantized": [module names], "excluded": [...], "bytes": ..., "source_bytes": ...}."""
     from ..engine.tokenizer import Tokenizer
@@ -243,8 +281,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scope: str = "experts"
         prompts = [(bos + tok.encode(t, add_special_tokens=False))[:MAX_PROMPT_TOKENS] for t in texts]
     else:  # a checkpoint without a tokenizer (a random benchmark preset): seeded random token ids
         gen = torch.Generator().manual_seed(0)
-        prompts = [bos + torch.randint(0, cfg.vocab_size, (MAX_PROMPT_TOKENS - len(bos),), generator=gen).tolist()
-                   for _ in range(calibration_prompts)]
+        prompts = [
+            bos + torch.randint(0, cfg.vocab_size, (MAX_PROMPT_TOKENS - len(bos),), generator=gen).tolist()
+            for _ in range(calibration_prompts)
+        ]
     log(f"calibrating {len(quantized)} modules on {len(prompts)} prompts ({sum(map(len, prompts))} tokens)")
     amax = calibrate(model, quantized, prompts)
     del model
@@ -263,7 +303,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scope: str = "experts"
         if isinstance(modules[name], Experts):
             gu, down = state[name + ".gate_up_proj"], state[name + ".down_proj"]
             fallback = torch.maximum(gu.abs().amax(), down.abs().amax())
-            tensors = quantize_experts(gu, down, amax.experts_in.get(name, fallback), amax.experts_h.get(name, fallback))
+            tensors = quantize_experts(
+                gu, down, amax.experts_in.get(name, fallback), amax.experts_h.get(name, fallback)
+            )
             done |= {name + ".gate_up_proj", name + ".down_proj"}
         else:
             w = state[name + ".weight"]
@@ -290,6 +332,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scope: str = "experts"
             shutil.copyfile(src / fname, dst / fname)
     nbytes = sum(t.numel() * t.element_size() for t in disk.values())
     source_bytes = sum(t.numel() * (4 if keeps_fp32(n) else 2) for n, t in state.items())
-    log(f"wrote {dst}: {len(quantized)} NVFP4 modules, {nbytes / 1e6:.2f} MB (source in 16-bit: "
-        f"{source_bytes / 1e6:.2f} MB)")
+    log(
+        f"wrote {dst}: {len(quantized)} NVFP4 modules, {nbytes / 1e6:.2f} MB (source in 16-bit: "
+        f"{source_bytes / 1e6:.2f} MB)"
+    )
     return {"quantized": quantized, "excluded": exclude, "bytes": nbytes, "source_bytes": source_bytes}

@@ -23,8 +23,8 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,10 +34,11 @@ from .. import __version__
 from ..engine.chat import compile_template, parse_reasoning_effort_map, parse_template_kwargs
 from ..engine.llm_engine import LLMEngine
 from .async_engine import AsyncEngine, EngineDeadError
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .chat_output import check_parsers
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import APIError, ChatSettings, Serving
-from .transport import GuardMiddleware, error_response as _error, header_timeout_protocol
+from .transport import GuardMiddleware, header_timeout_protocol
+from .transport import error_response as _error
 
 logger = logging.getLogger("musespark.server")
 
@@ -102,11 +103,13 @@ class ServerConfig:
     def chat_settings(self) -> ChatSettings:
         return ChatSettings(
             chat_template=self.chat_template,
-            default_chat_template_kwargs=parse_template_kwargs(self.default_chat_template_kwargs,
-                                                               "default_chat_template_kwargs"),
+            default_chat_template_kwargs=parse_template_kwargs(
+                self.default_chat_template_kwargs, "default_chat_template_kwargs"
+            ),
             reasoning_effort_map=parse_reasoning_effort_map(self.reasoning_effort_map),
             reasoning_parser=self.reasoning_parser,
-            tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None)
+            tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None,
+        )
 
 
 class SSEResponse(StreamingResponse):
@@ -119,6 +122,7 @@ class SSEResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
+
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)
@@ -149,8 +153,12 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
     if "\\u" in text:  # now only \uXXXX escapes can smuggle in a lone surrogate
         where = _lone_surrogate(data)
         if where is not None:
-            raise APIError(400, f"{where or 'body'}: a string holds a lone surrogate (\\ud800-\\udfff escape), "
-                           "which is not valid Unicode", where.split(".", 1)[0].split("[", 1)[0] or None)
+            raise APIError(
+                400,
+                f"{where or 'body'}: a string holds a lone surrogate (\\ud800-\\udfff escape), "
+                "which is not valid Unicode",
+                where.split(".", 1)[0].split("[", 1)[0] or None,
+            )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -187,8 +195,9 @@ def _validation_error(errors: Any) -> APIError:
         return APIError(400, "invalid request")
     loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
-    message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:5])
+    message = "; ".join(
+        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
+    )
     return APIError(400, message, param)
 
 
@@ -263,8 +272,14 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app serving `engine`. (Over 60 lines on purpose: it is the route table, a few
     lines per route, and the server's whole surface reads best in one place.)"""
     async_engine = AsyncEngine(engine, config.model_name, log_requests=config.log_requests)
-    serving = Serving(async_engine, config.model_name, config.max_sequences_per_request, config.chat_settings(),
-                      model_aliases=config.model_aliases, max_logprobs=config.max_logprobs)
+    serving = Serving(
+        async_engine,
+        config.model_name,
+        config.max_sequences_per_request,
+        config.chat_settings(),
+        model_aliases=config.model_aliases,
+        max_logprobs=config.max_logprobs,
+    )
     prep = Preparation()
 
     @asynccontextmanager
@@ -278,8 +293,12 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.state.async_engine = async_engine
     app.add_middleware(GuardMiddleware, config=config)
     if config.allowed_origins:  # outermost: preflights are answered before the key check
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
+        )
 
     _add_error_handlers(app)
 
@@ -297,10 +316,21 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "musespark",
-            "root": str(async_engine.model_path), "parent": None, "max_model_len": async_engine.max_model_len}
-            for name in (config.model_name, *config.model_aliases)]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "musespark",
+                    "root": str(async_engine.model_path),
+                    "parent": None,
+                    "max_model_len": async_engine.max_model_len,
+                }
+                for name in (config.model_name, *config.model_aliases)
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -334,6 +364,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return await prep.run(serving.render, req)
 
     from . import messages, responses  # here: they import this module's helpers
+
     responses.add_routes(app, serving, prep)
     messages.add_routes(app, serving, prep)
 
@@ -350,19 +381,28 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> int:
+def serve(
+    engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> int:
     """Run until SIGTERM/SIGINT: stop accepting, let running requests finish (at most
     config.graceful_shutdown_s), stop the engine loop, return 0."""
     import uvicorn
 
     app = build_app(engine, config)
-    uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=config.log_requests,
-                        timeout_graceful_shutdown=config.graceful_shutdown_s, lifespan="on",
-                        http=header_timeout_protocol(config.header_timeout_s),
-                        proxy_headers=config.forwarded_allow_ips is not None,
-                        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
-                        forwarded_allow_ips=config.forwarded_allow_ips)
+    uv = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=config.log_requests,
+        timeout_graceful_shutdown=config.graceful_shutdown_s,
+        lifespan="on",
+        http=header_timeout_protocol(config.header_timeout_s),
+        proxy_headers=config.forwarded_allow_ips is not None,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        forwarded_allow_ips=config.forwarded_allow_ips,
+    )
     server = uvicorn.Server(uv)
     # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler
     # makes that a clean exit (status 0) instead of death by SIGTERM.

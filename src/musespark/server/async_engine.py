@@ -97,9 +97,13 @@ class AsyncEngine:
         return self._stats
 
     # -- the coroutine side --------------------------------------------------------
-    async def generate(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                       output_parser: Callable[[], MuseOutputParser] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        output_parser: Callable[[], MuseOutputParser] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine produces them; leaving early
         aborts it. The prompt should be validated already (`input_processor.validate`);
         an engine refusal is raised from the first iteration."""
@@ -163,8 +167,14 @@ class AsyncEngine:
             else:
                 self._abort(payload)
 
-    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-             output_parser: Callable[[], MuseOutputParser] | None, stream: _Stream) -> None:
+    def _add(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        output_parser: Callable[[], MuseOutputParser] | None,
+        stream: _Stream,
+    ) -> None:
         try:
             self._engine.add_request(request_id, prompt, params, output_parser)
         except Exception as exc:

@@ -14,8 +14,14 @@ from typing import Any
 
 from ..engine.chat import normalize_tools
 from ..engine.outputs import CompletionOutput, RequestOutput
-from ..parsers import (PARSERS, MuseOutputParser, ParsedDelta, get_parser_factory, resolve_finish_reason,
-                       tool_schemas_from_openai)
+from ..parsers import (
+    PARSERS,
+    MuseOutputParser,
+    ParsedDelta,
+    get_parser_factory,
+    resolve_finish_reason,
+    tool_schemas_from_openai,
+)
 from .protocol import ChatCompletionRequest, usage
 
 
@@ -26,12 +32,14 @@ def check_parsers(reasoning_parser: str | None, tool_call_parser: str | None, au
     if tool_call_parser is not None:
         get_parser_factory(tool_call_parser, "tool")
     if auto_tool_choice and tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (supported: "
-                         f"{', '.join(sorted(PARSERS))})")
+        raise ValueError(
+            f"--enable-auto-tool-choice needs --tool-call-parser (supported: {', '.join(sorted(PARSERS))})"
+        )
 
 
-def output_parser_factory(reasoning_parser: str | None, tool_call_parser: str | None,
-                          req: ChatCompletionRequest) -> Callable[[], MuseOutputParser] | None:
+def output_parser_factory(
+    reasoning_parser: str | None, tool_call_parser: str | None, req: ChatCompletionRequest
+) -> Callable[[], MuseOutputParser] | None:
     """One parser per sequence: reasoning with --reasoning-parser; tool calls with
     --enable-auto-tool-choice (`tool_call_parser` set) when the request has tools and
     tool_choice is not "none", and always for a forced tool_choice ("required" or a named
@@ -43,10 +51,13 @@ def output_parser_factory(reasoning_parser: str | None, tool_call_parser: str | 
     if not (reasoning or tools):
         return None
     name = reasoning_parser if reasoning else tool_call_parser or "muse"
-    return functools.partial(get_parser_factory(name, "reasoning" if reasoning else "tool"),
-                             reasoning=reasoning, tools=tools,
-                             tool_names=tool_schemas_from_openai(normalize_tools(req.tools)) if tools else None,
-                             parallel_tool_calls=req.parallel_tool_calls is not False)
+    return functools.partial(
+        get_parser_factory(name, "reasoning" if reasoning else "tool"),
+        reasoning=reasoning,
+        tools=tools,
+        tool_names=tool_schemas_from_openai(normalize_tools(req.tools)) if tools else None,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+    )
 
 
 def chat_message(c: CompletionOutput, include_reasoning: bool) -> dict[str, Any]:
@@ -58,8 +69,10 @@ def chat_message(c: CompletionOutput, include_reasoning: bool) -> dict[str, Any]
     if include_reasoning:
         message["reasoning"] = c.parsed.reasoning
     if c.parsed.tool_calls:
-        message["tool_calls"] = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-                                 for t in c.parsed.tool_calls]
+        message["tool_calls"] = [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in c.parsed.tool_calls
+        ]
     return message
 
 
@@ -85,7 +98,7 @@ def parsed_delta(d: ParsedDelta, include_reasoning: bool) -> dict[str, Any]:
 
 
 def chat_finish_reason(c: CompletionOutput, has_tool_calls: bool, tool_choice: Any = None) -> str | None:
-    """"tool_calls" when a call was made and the engine stopped, unless tool_choice named the
+    """ "tool_calls" when a call was made and the engine stopped, unless tool_choice named the
     function (vLLM then keeps "stop"); "length" is kept."""
     if c.delta_parsed is None:
         return c.finish_reason

@@ -43,17 +43,21 @@ def from_response_format(value: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, Mapping):
-            raise InvalidArgumentError("response_format.json_schema must be an object with a 'schema'",
-                                       param="response_format.json_schema")
+            raise InvalidArgumentError(
+                "response_format.json_schema must be an object with a 'schema'", param="response_format.json_schema"
+            )
         schema = spec.get("schema")
         if schema is None:  # OpenAI makes it optional: then any JSON object
             return {"json_object": True}
         if not isinstance(schema, Mapping):
-            raise InvalidArgumentError("response_format.json_schema.schema must be a JSON schema object",
-                                       param="response_format.json_schema.schema")
+            raise InvalidArgumentError(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
         return {"json": dict(schema)}
-    raise InvalidArgumentError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                               param="response_format")
+    raise InvalidArgumentError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="response_format"
+    )
 
 
 def from_structured_outputs(value: Any) -> dict[str, Any] | None:
@@ -63,8 +67,10 @@ def from_structured_outputs(value: Any) -> dict[str, Any] | None:
         raise InvalidArgumentError("structured_outputs must be an object", param="structured_outputs")
     unknown = sorted(str(k) for k in value if k not in _SO_KEYS)
     if unknown:
-        raise InvalidArgumentError(f"structured_outputs has unsupported key(s): {', '.join(unknown)} "
-                                   f"(supported: {', '.join(_SO_KEYS)})", param="structured_outputs")
+        raise InvalidArgumentError(
+            f"structured_outputs has unsupported key(s): {', '.join(unknown)} (supported: {', '.join(_SO_KEYS)})",
+            param="structured_outputs",
+        )
     return {k: v for k, v in value.items() if v is not None}
 
 
@@ -78,13 +84,20 @@ def forced_tools(tool_choice: Any, tools: list[dict[str, Any]] | None) -> list[d
     return [t for t in tools if t["function"]["name"] == name]
 
 
-def request_constraint(response_format: Any, structured_outputs: Any, *, tools: list[dict[str, Any]] | None = None,
-                       tool_choice: Any = None, final_message_only: bool = False) -> StructuredOutputsParams | None:
+def request_constraint(
+    response_format: Any,
+    structured_outputs: Any,
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    final_message_only: bool = False,
+) -> StructuredOutputsParams | None:
     fields = from_structured_outputs(structured_outputs)
     fmt = from_response_format(response_format)
     if fields is not None and fmt is not None:
-        raise InvalidArgumentError("give structured_outputs or a non-text response_format, not both",
-                                   param="structured_outputs")
+        raise InvalidArgumentError(
+            "give structured_outputs or a non-text response_format, not both", param="structured_outputs"
+        )
     fields = fields if fields is not None else fmt
     forced = forced_tools(tool_choice, tools)
     if forced is not None:

@@ -27,8 +27,15 @@ from .protocol import ChatCompletionRequest, TokenizeRequest, _Request
 from .responses import Block, Event, TurnBlocks, run_into_blocks
 from .serving import APIError, Job, Serving
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -71,8 +78,11 @@ def _texts(content: Any, where: str) -> str:
     texts = []
     for j, block in enumerate(content):
         if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
-            raise APIError(400, f"{where}[{j}]: only text blocks are supported here, got "
-                                f"{block.get('type') if isinstance(block, dict) else block!r}")
+            raise APIError(
+                400,
+                f"{where}[{j}]: only text blocks are supported here, got "
+                f"{block.get('type') if isinstance(block, dict) else block!r}",
+            )
         texts.append(block["text"])
     return "\n".join(texts)
 
@@ -104,9 +114,13 @@ def to_chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
                 elif kind == "redacted_thinking":
                     continue
                 elif kind == "tool_use":
-                    turn.setdefault("tool_calls", []).append({
-                        "id": block.get("id"), "type": "function",
-                        "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+                    turn.setdefault("tool_calls", []).append(
+                        {
+                            "id": block.get("id"),
+                            "type": "function",
+                            "function": {"name": block.get("name"), "arguments": json.dumps(block.get("input") or {})},
+                        }
+                    )
                 else:
                     raise APIError(400, f"{where}.content.{j}: unsupported block type {kind!r} on an assistant turn")
             out.append(turn)
@@ -125,8 +139,9 @@ def to_chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
             else:
-                raise APIError(400, f"{where}.content.{j}: unsupported block type {kind!r} (this model reads "
-                                    "text, tool_result)")
+                raise APIError(
+                    400, f"{where}.content.{j}: unsupported block type {kind!r} (this model reads text, tool_result)"
+                )
         if texts:
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -173,11 +188,20 @@ def response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | No
 
 def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     tool_choice, parallel = chat_tool_choice(req.tool_choice)
-    body = {"model": req.model, "messages": to_chat_messages(req.system, req.messages),
-            "tools": chat_tools(req.tools), "tool_choice": tool_choice, "parallel_tool_calls": parallel,
-            "max_tokens": req.max_tokens, "stop": req.stop_sequences, "temperature": req.temperature,
-            "top_p": req.top_p, "top_k": req.top_k, "response_format": response_format(req.output_config),
-            "reasoning_effort": (req.output_config or {}).get("effort")}
+    body = {
+        "model": req.model,
+        "messages": to_chat_messages(req.system, req.messages),
+        "tools": chat_tools(req.tools),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "max_tokens": req.max_tokens,
+        "stop": req.stop_sequences,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "response_format": response_format(req.output_config),
+        "reasoning_effort": (req.output_config or {}).get("effort"),
+    }
     return _validated(ChatCompletionRequest, body)
 
 
@@ -192,8 +216,12 @@ def _validated(model: Any, body: dict[str, Any]) -> Any:
 def count_tokens(serving: Serving, req: CountTokensRequest) -> dict[str, int]:
     """The prompt's token count, exactly as /v1/messages renders it."""
     chat_tool_choice(req.tool_choice)  # checked as /v1/messages checks it
-    body = {"model": req.model, "messages": to_chat_messages(req.system, req.messages), "tools": chat_tools(req.tools),
-            "reasoning_effort": (req.output_config or {}).get("effort")}
+    body = {
+        "model": req.model,
+        "messages": to_chat_messages(req.system, req.messages),
+        "tools": chat_tools(req.tools),
+        "reasoning_effort": (req.output_config or {}).get("effort"),
+    }
     return {"input_tokens": serving.tokenize(_validated(TokenizeRequest, body))["count"]}
 
 
@@ -232,14 +260,22 @@ class Turn:
         return "end_turn", None
 
     def head(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None], n_out: int) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.serving.model_name,
-                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
-                "usage": {"input_tokens": self.n_prompt, "output_tokens": n_out}}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.serving.model_name,
+            "content": content,
+            "stop_reason": stop[0],
+            "stop_sequence": stop[1],
+            "usage": {"input_tokens": self.n_prompt, "output_tokens": n_out},
+        }
 
     async def response(self) -> dict[str, Any]:
         last = await run_into_blocks(self.serving, self.jobs, self.blocks)
-        return self.head([content_block(b) for b in self.blocks.blocks], self.stop(last),
-                         len(last.outputs[0].token_ids))
+        return self.head(
+            [content_block(b) for b in self.blocks.blocks], self.stop(last), len(last.outputs[0].token_ids)
+        )
 
     # -- streaming -----------------------------------------------------------------------------
     @staticmethod
@@ -249,14 +285,22 @@ class Turn:
     def _render(self, events: list[Event]) -> Iterator[str]:
         for op, b, text in events:
             if op == "open":
-                start = ({"type": "thinking", "thinking": "", "signature": ""} if b.kind == "reasoning" else
-                         {"type": "text", "text": ""} if b.kind == "text" else
-                         {"type": "tool_use", "id": b.call_id, "name": b.name, "input": {}})
+                start = (
+                    {"type": "thinking", "thinking": "", "signature": ""}
+                    if b.kind == "reasoning"
+                    else {"type": "text", "text": ""}
+                    if b.kind == "text"
+                    else {"type": "tool_use", "id": b.call_id, "name": b.name, "input": {}}
+                )
                 yield self._event("content_block_start", index=b.index, content_block=start)
             elif op == "delta":
-                delta = ({"type": "thinking_delta", "thinking": text} if b.kind == "reasoning" else
-                         {"type": "text_delta", "text": text} if b.kind == "text" else
-                         {"type": "input_json_delta", "partial_json": text})
+                delta = (
+                    {"type": "thinking_delta", "thinking": text}
+                    if b.kind == "reasoning"
+                    else {"type": "text_delta", "text": text}
+                    if b.kind == "text"
+                    else {"type": "input_json_delta", "partial_json": text}
+                )
                 yield self._event("content_block_delta", index=b.index, delta=delta)
             else:
                 yield self._event("content_block_stop", index=b.index)
@@ -274,8 +318,11 @@ class Turn:
                 yield chunk
             assert last is not None
             reason, sequence = self.stop(last)
-            yield self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                              usage={"output_tokens": len(last.outputs[0].token_ids)})
+            yield self._event(
+                "message_delta",
+                delta={"stop_reason": reason, "stop_sequence": sequence},
+                usage={"output_tokens": len(last.outputs[0].token_ids)},
+            )
             yield self._event("message_stop")
         except Exception as exc:
             yield self._event("error", error={"type": "api_error", "message": f"generation failed: {exc}"})

@@ -68,8 +68,15 @@ class _SamplingRequest(_Request):
     # Prefix-cache namespace: requests share cached prompt blocks only with the same salt.
     cache_salt: StrictStr | None = Field(None, min_length=1)
 
-    _GEN_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty")
+    _GEN_FIELDS = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
 
     def sampling_fields(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """SamplingParams keyword arguments: the checkpoint's defaults, then the request's
@@ -79,11 +86,19 @@ class _SamplingRequest(_Request):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = value
-        fields.update(n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                      ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                      include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-                      allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+        fields.update(
+            n=self.n,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+        )
         return fields
 
     @property
@@ -152,21 +167,35 @@ class DetokenizeRequest(_Request):
 
 # -- responses (plain dicts built by helpers keep the hot path cheap) ---------------------
 
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage block; `prompt_tokens_details.cached_tokens` is the prompt tokens the
     prefix cache served (the engine's count)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
-            503: "ServiceUnavailableError"}.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+    kind = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        405: "MethodNotAllowedError",
+        413: "RequestTooLargeError",
+        415: "UnsupportedMediaTypeError",
+        503: "ServiceUnavailableError",
+    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def envelope(kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"], request_id: str,
-             model: str, created: int | None = None) -> dict[str, Any]:
+def envelope(
+    kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"],
+    request_id: str,
+    model: str,
+    created: int | None = None,
+) -> dict[str, Any]:
     return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}

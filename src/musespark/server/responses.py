@@ -54,7 +54,7 @@ class Block:
 Event = tuple[str, Block, str]  # ("open" | "delta" | "close", block, delta text)
 
 
-async def run_into_blocks(serving: Serving, jobs: list[Job], blocks: "TurnBlocks") -> RequestOutput:
+async def run_into_blocks(serving: Serving, jobs: list[Job], blocks: TurnBlocks) -> RequestOutput:
     """Run one turn's job to the end, feeding each step's parsed output into `blocks`; the
     final output (the non-streamed Responses and Messages replies are built from it)."""
     last = None
@@ -169,8 +169,13 @@ class ResponsesRequest(_Request):
 
 
 # Chat field -> the Responses field to name in an error.
-_PARAM = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-          "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
+_PARAM = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 def _remap(exc: APIError) -> APIError:
@@ -187,13 +192,17 @@ def _text_of(content: Any, where: str) -> str | list[dict[str, str]]:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text") and isinstance(
-                part.get("text"), str):
+            part.get("text"), str
+        ):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append({"type": "text", "text": part["refusal"]})
         else:
-            raise APIError(400, f"{where}.content[{j}]: only text parts are supported (input_text, output_text), "
-                                f"got {kind!r}", "input")
+            raise APIError(
+                400,
+                f"{where}.content[{j}]: only text parts are supported (input_text, output_text), got {kind!r}",
+                "input",
+            )
     return parts
 
 
@@ -225,8 +234,7 @@ def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> list[dict
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
-                               "input")
+                raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}", "input")
             content = _text_of(item.get("content"), where)
             if role != "assistant":
                 flush()
@@ -249,17 +257,23 @@ def items_to_messages(items: list[dict[str, Any]], offset: int = 0) -> list[dict
                 raise APIError(400, f"{where}: a function_call needs string call_id, name and arguments", "input")
             turn = turn or {"role": "assistant"}
             turn.setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            )
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
                 raise APIError(400, f"{where}: a function_call_output needs a string call_id", "input")
             flush()
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": _joined(_text_of(item.get("output", ""), where))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call_id, "content": _joined(_text_of(item.get("output", ""), where))}
+            )
         else:
-            raise APIError(400, f"{where}: unsupported item type {kind!r} (supported: message, reasoning, "
-                                "function_call, function_call_output)", "input")
+            raise APIError(
+                400,
+                f"{where}: unsupported item type {kind!r} (supported: message, reasoning, "
+                "function_call, function_call_output)",
+                "input",
+            )
     flush()
     return messages
 
@@ -271,8 +285,9 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}]: only function tools are supported, got type {tool.get('type')!r}",
-                           "tools")
+            raise APIError(
+                400, f"tools[{i}]: only function tools are supported, got type {tool.get('type')!r}", "tools"
+            )
         if "function" in tool:  # the chat shape, accepted as is
             out.append(tool)
             continue
@@ -286,8 +301,11 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}, "
-                        f"got {choice!r}", "tool_choice")
+    raise APIError(
+        400,
+        f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', 'name': ...}}, got {choice!r}",
+        "tool_choice",
+    )
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -302,8 +320,9 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt  # text / json_object; anything else is refused by the chat checks
 
 
-def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None = None
-                    ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+def to_chat_request(
+    req: ResponsesRequest, history: list[dict[str, Any]] | None = None
+) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """The chat request a Responses request runs as, and the conversation it continues
     (history + this input, as Responses items)."""
     if req.background:
@@ -316,18 +335,30 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None 
     if not messages:
         raise APIError(400, "input must not be empty", "input")
     effort = (req.reasoning or {}).get("effort")
-    body = {"model": req.model, "messages": messages, "tools": chat_tools(req.tools),
-            "tool_choice": chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
-            "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-            "response_format": response_format(req.text), "reasoning_effort": effort, "user": req.user,
-            "top_k": req.top_k, "seed": req.seed, "stop": req.stop}
+    body = {
+        "model": req.model,
+        "messages": messages,
+        "tools": chat_tools(req.tools),
+        "tool_choice": chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "response_format": response_format(req.text),
+        "reasoning_effort": effort,
+        "user": req.user,
+        "top_k": req.top_k,
+        "seed": req.seed,
+        "stop": req.stop,
+    }
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
         param = str(err["loc"][0]) if err.get("loc") else None
-        raise APIError(400, f"{_PARAM.get(param or '', param)}: {err.get('msg')}", _PARAM.get(param or "", param)
-                       ) from None
+        raise APIError(
+            400, f"{_PARAM.get(param or '', param)}: {err.get('msg')}", _PARAM.get(param or "", param)
+        ) from None
     return chat, items
 
 
@@ -336,13 +367,29 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]] | None 
 
 def output_item(b: Block, status: str = "completed") -> dict[str, Any]:
     if b.kind == "reasoning":
-        return {"id": f"rs_{b.uid}", "type": "reasoning", "summary": [],
-                "content": [{"type": "reasoning_text", "text": b.text}], "status": status}
+        return {
+            "id": f"rs_{b.uid}",
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": b.text}],
+            "status": status,
+        }
     if b.kind == "text":
-        return {"id": f"msg_{b.uid}", "type": "message", "role": "assistant", "status": status,
-                "content": [_text_part(b.text)]}
-    return {"id": f"fc_{b.uid}", "type": "function_call", "call_id": b.call_id, "name": b.name,
-            "arguments": b.text, "status": status}
+        return {
+            "id": f"msg_{b.uid}",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [_text_part(b.text)],
+        }
+    return {
+        "id": f"fc_{b.uid}",
+        "type": "function_call",
+        "call_id": b.call_id,
+        "name": b.name,
+        "arguments": b.text,
+        "status": status,
+    }
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -352,8 +399,14 @@ def _text_part(text: str) -> dict[str, Any]:
 class Turn:
     """One /v1/responses request in flight: its id, what it echoes, and its output."""
 
-    def __init__(self, serving: Serving, store: ResponseStore, req: ResponsesRequest, jobs: list[Job],
-                 conversation: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        serving: Serving,
+        store: ResponseStore,
+        req: ResponsesRequest,
+        jobs: list[Job],
+        conversation: list[dict[str, Any]],
+    ) -> None:
         self.serving, self.store, self.req, self.jobs = serving, store, req, jobs
         self.conversation = conversation
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -361,20 +414,38 @@ class Turn:
         self.blocks = TurnBlocks()
         self._seq = 0
 
-    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-             **extra: Any) -> dict[str, Any]:
+    def body(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None, **extra: Any
+    ) -> dict[str, Any]:
         req = self.req
         fmt = (req.text or {}).get("format") or {"type": "text"}
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "background": False, "error": None, "incomplete_details": None, "instructions": req.instructions,
-                "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
-                "model": self.serving.model_name, "output": output,
-                "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": req.previous_response_id,
-                "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-                "store": req.store is not False, "temperature": req.temperature, "text": {"format": fmt},
-                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
-                "truncation": "disabled", "usage": usage, "user": req.user, **extra}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "model": self.serving.model_name,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
+            "store": req.store is not False,
+            "temperature": req.temperature,
+            "text": {"format": fmt},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            **extra,
+        }
 
     def finish(self, last: RequestOutput) -> dict[str, Any]:
         """The final response (and stored, unless store is false); blocks must be closed."""
@@ -383,9 +454,13 @@ class Turn:
         blocks = self.blocks.blocks
         output = [output_item(b, "incomplete" if incomplete and b is blocks[-1] else "completed") for b in blocks]
         n_in, n_out = len(last.prompt_token_ids), len(c.token_ids)
-        usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
-                 "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": c.num_reasoning_tokens},
-                 "total_tokens": n_in + n_out}
+        usage = {
+            "input_tokens": n_in,
+            "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
+            "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": c.num_reasoning_tokens},
+            "total_tokens": n_in + n_out,
+        }
         if incomplete:
             body = self.body("incomplete", output, usage, incomplete_details={"reason": "max_output_tokens"})
         else:
@@ -413,16 +488,18 @@ class Turn:
                 item["arguments"] = ""
             yield self._event("response.output_item.added", output_index=b.index, item=item)
             if b.kind == "reasoning":
-                yield self._event("response.content_part.added", **where, content_index=0,
-                                  part={"type": "reasoning_text", "text": ""})
+                yield self._event(
+                    "response.content_part.added", **where, content_index=0, part={"type": "reasoning_text", "text": ""}
+                )
             elif b.kind == "text":
                 yield self._event("response.content_part.added", **where, content_index=0, part=_text_part(""))
             return
         # close
         if b.kind == "reasoning":
             yield self._event("response.reasoning_text.done", **where, content_index=0, text=b.text)
-            yield self._event("response.content_part.done", **where, content_index=0,
-                              part={"type": "reasoning_text", "text": b.text})
+            yield self._event(
+                "response.content_part.done", **where, content_index=0, part={"type": "reasoning_text", "text": b.text}
+            )
         elif b.kind == "text":
             yield self._event("response.output_text.done", **where, content_index=0, text=b.text, logprobs=[])
             yield self._event("response.content_part.done", **where, content_index=0, part=_text_part(b.text))
@@ -460,11 +537,15 @@ class Turn:
             for chunk in self._render(self.blocks.close(), status):
                 yield chunk
             body = self.finish(last)
-            yield self._event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
-                              response=body)
+            yield self._event(
+                "response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body
+            )
         except Exception as exc:
-            failed = self.body("failed", [output_item(b) for b in self.blocks.blocks],
-                               error={"code": "server_error", "message": f"generation failed: {exc}"})
+            failed = self.body(
+                "failed",
+                [output_item(b) for b in self.blocks.blocks],
+                error={"code": "server_error", "message": f"generation failed: {exc}"},
+            )
             yield self._event("response.failed", response=failed)
         finally:
             await gen.aclose()
@@ -476,8 +557,9 @@ def prepare(serving: Serving, store: ResponseStore, req: ResponsesRequest) -> Tu
     if req.previous_response_id is not None:
         entry = store.get(req.previous_response_id)
         if entry is None:
-            raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
-                           "previous_response_id")
+            raise APIError(
+                404, f"Previous response with id '{req.previous_response_id}' not found.", "previous_response_id"
+            )
         history = entry[1]
     chat, conversation = to_chat_request(req, history)
     try:

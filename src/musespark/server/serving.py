@@ -31,10 +31,18 @@ from ..engine.outputs import Logprob, RequestOutput
 from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
-from .constraints import request_constraint
 from .chat_output import chat_finish_reason, chat_message, chat_usage, output_parser_factory, parsed_delta
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, envelope,
-                       error_body, random_id, usage)
+from .constraints import request_constraint
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    envelope,
+    error_body,
+    random_id,
+    usage,
+)
 
 
 class APIError(Exception):
@@ -72,9 +80,16 @@ class Job:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, max_sequences_per_request: int,
-                 chat: ChatSettings | None = None, *, model_aliases: tuple[str, ...] = (),
-                 max_logprobs: int = -1) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_sequences_per_request: int,
+        chat: ChatSettings | None = None,
+        *,
+        model_aliases: tuple[str, ...] = (),
+        max_logprobs: int = -1,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.model_aliases = tuple(model_aliases)  # more names requests may use (--served-model-name)
@@ -84,8 +99,7 @@ class Serving:
         self.chat = chat or ChatSettings()
 
     # -- request -> jobs (worker thread) ------------------------------------------------------
-    def check_model(self, req: CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest
-                    ) -> None:
+    def check_model(self, req: CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest) -> None:
         """The request names this server's model (or none); its stream_options come with stream."""
         name = req.model
         if name is not None and name != self.model_name and name not in self.model_aliases:
@@ -97,13 +111,13 @@ class Serving:
         if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
             raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
 
-    def _jobs(self, base_id: str, prompts: list[ProcessedPrompt], fields: dict[str, Any],
-              max_tokens: int | None, kind: str) -> list[Job]:
+    def _jobs(
+        self, base_id: str, prompts: list[ProcessedPrompt], fields: dict[str, Any], max_tokens: int | None, kind: str
+    ) -> list[Job]:
         if not prompts:
             raise APIError(400, "prompt must not be empty", "prompt")
         if len(prompts) * max(1, fields.get("n", 1)) > self.max_sequences:
-            raise APIError(400, f"a request may ask for at most {self.max_sequences} sequences "
-                                "(prompts times n)", "n")
+            raise APIError(400, f"a request may ask for at most {self.max_sequences} sequences (prompts times n)", "n")
         jobs = []
         for i, prompt in enumerate(prompts):
             try:
@@ -164,28 +178,43 @@ class Serving:
             fields["skip_special_tokens"] = False  # the parsers read the channel markers
         try:
             fields["structured_outputs"] = request_constraint(
-                req.response_format, req.structured_outputs, tools=normalize_tools(req.tools),
+                req.response_format,
+                req.structured_outputs,
+                tools=normalize_tools(req.tools),
                 tool_choice=req.tool_choice,
-                final_message_only=self.chat.reasoning_parser is not None and req.include_reasoning)
+                final_message_only=self.chat.reasoning_parser is not None and req.include_reasoning,
+            )
         except ValueError as exc:
             raise bad_request(exc) from None
         base = random_id("chatcmpl")
         jobs = self._jobs(base, [prompt], fields, req.requested_max_tokens, "messages")
         return base, [replace(job, output_parser=parser) for job in jobs]
 
-    def _render_chat(self, req: ChatCompletionRequest | TokenizeRequest, messages: Any,
-                     add_special_tokens: bool = False, tool_choice: Any = None) -> ProcessedPrompt:
+    def _render_chat(
+        self,
+        req: ChatCompletionRequest | TokenizeRequest,
+        messages: Any,
+        add_special_tokens: bool = False,
+        tool_choice: Any = None,
+    ) -> ProcessedPrompt:
         """The request's conversation rendered and encoded; tools and tool_choice are checked
         first. Any refusal is a 400 naming the field to blame."""
         try:
             tools = normalize_tools(req.tools)
             check_tool_choice(tool_choice, tools)
             return self.inputs.render_chat(
-                messages, req.add_generation_prompt, add_special_tokens, tools=tools, documents=req.documents,
-                chat_template=self.chat.chat_template, chat_template_kwargs=req.chat_template_kwargs,
-                continue_final_message=req.continue_final_message, reasoning_effort=req.reasoning_effort,
+                messages,
+                req.add_generation_prompt,
+                add_special_tokens,
+                tools=tools,
+                documents=req.documents,
+                chat_template=self.chat.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+                continue_final_message=req.continue_final_message,
+                reasoning_effort=req.reasoning_effort,
                 default_chat_template_kwargs=self.chat.default_chat_template_kwargs,
-                reasoning_effort_map=self.chat.reasoning_effort_map)
+                reasoning_effort_map=self.chat.reasoning_effort_map,
+            )
         except ValueError as exc:
             param = getattr(exc, "param", None) or "messages"
             raise APIError(400, f"invalid {param}: {exc}", param) from None
@@ -194,8 +223,12 @@ class Serving:
         """/v1/chat/completions/render: the prompt a chat request would run, checked exactly
         as /v1/chat/completions checks it, and its token ids; nothing reaches the engine."""
         base, (job,) = self.chat_jobs(req)
-        return {"request_id": base, "model": self.model_name, "prompt": job.prompt.text,
-                "token_ids": job.prompt.token_ids}
+        return {
+            "request_id": base,
+            "model": self.model_name,
+            "prompt": job.prompt.text,
+            "token_ids": job.prompt.token_ids,
+        }
 
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req)
@@ -272,8 +305,9 @@ class Serving:
         return [finals[i] for i in range(len(jobs))]
 
     # -- rendering ---------------------------------------------------------------------------
-    def completion_response(self, base: str, req: CompletionRequest, jobs: list[Job],
-                            finals: list[RequestOutput]) -> dict[str, Any]:
+    def completion_response(
+        self, base: str, req: CompletionRequest, jobs: list[Job], finals: list[RequestOutput]
+    ) -> dict[str, Any]:
         choices, n_prompt, n_out, n_cached = [], 0, 0, 0
         for i, out in enumerate(finals):
             n_prompt += len(out.prompt_token_ids)
@@ -281,15 +315,23 @@ class Serving:
             for c in out.outputs:
                 n_out += len(c.token_ids)
                 text = (out.prompt or "") + c.text if req.echo else c.text
-                choice = {"index": i * req.n + c.index, "text": text,
-                          "logprobs": self._choice_logprobs(req, out, c.logprobs, c.token_ids, True),
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                choice = {
+                    "index": i * req.n + c.index,
+                    "text": text,
+                    "logprobs": self._choice_logprobs(req, out, c.logprobs, c.token_ids, True),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
                 choices.append(self._scoring_fields(req, out, choice, c.token_ids))
-        return {**envelope("text_completion", base, self.model_name), "choices": choices,
-                "usage": usage(n_prompt, n_out, n_cached)}
+        return {
+            **envelope("text_completion", base, self.model_name),
+            "choices": choices,
+            "usage": usage(n_prompt, n_out, n_cached),
+        }
 
-    def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, entries: list | None, ids: list[int],
-                         first: bool) -> dict[str, Any] | None:
+    def _choice_logprobs(
+        self, req: CompletionRequest, out: RequestOutput, entries: list | None, ids: list[int], first: bool
+    ) -> dict[str, Any] | None:
         """A choice's logprobs; with echo, the first chunk's also cover the prompt (the first
         prompt token has none: nothing predicts it)."""
         if entries is None:
@@ -299,32 +341,48 @@ class Serving:
             ids = out.prompt_token_ids + ids
         return self.completion_logprobs(entries, ids, 0, req.logprobs)
 
-    def _scoring_fields(self, req: CompletionRequest, out: RequestOutput, choice: dict[str, Any],
-                        token_ids: list[int]) -> dict[str, Any]:
+    def _scoring_fields(
+        self, req: CompletionRequest, out: RequestOutput, choice: dict[str, Any], token_ids: list[int]
+    ) -> dict[str, Any]:
         """vLLM's prompt_logprobs ({token id: {logprob, rank, decoded_token}} per prompt token)
         and return_token_ids (prompt_token_ids, token_ids) on a choice."""
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
             choice["prompt_logprobs"] = [
-                None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token":
-                                                 lp.decoded_token}
-                                        for t, lp in e.items() if lp.rank is None or lp.rank <= req.prompt_logprobs}
-                for e in out.prompt_logprobs]
+                None
+                if e is None
+                else {
+                    str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in e.items()
+                    if lp.rank is None or lp.rank <= req.prompt_logprobs
+                }
+                for e in out.prompt_logprobs
+            ]
         if req.return_token_ids:
             choice["prompt_token_ids"] = out.prompt_token_ids
             choice["token_ids"] = list(token_ids)
         return choice
 
     def chat_response(self, base: str, req: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": chat_message(c, req.include_reasoning),
-                    "logprobs": self.chat_logprobs(c.logprobs, c.token_ids),
-                    "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls), req.tool_choice),
-                    "stop_reason": c.stop_reason} for c in final.outputs]
+        choices = [
+            {
+                "index": c.index,
+                "message": chat_message(c, req.include_reasoning),
+                "logprobs": self.chat_logprobs(c.logprobs, c.token_ids),
+                "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls), req.tool_choice),
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
         n_out = sum(len(c.token_ids) for c in final.outputs)
-        return {**envelope("chat.completion", base, self.model_name), "choices": choices,
-                "usage": chat_usage(final, n_out)}
+        return {
+            **envelope("chat.completion", base, self.model_name),
+            "choices": choices,
+            "usage": chat_usage(final, n_out),
+        }
 
-    def completion_logprobs(self, entries: list[dict[int, Logprob] | None] | None, ids: list[int], offset: int,
-                            top: int | None = None) -> dict[str, Any] | None:
+    def completion_logprobs(
+        self, entries: list[dict[int, Logprob] | None] | None, ids: list[int], offset: int, top: int | None = None
+    ) -> dict[str, Any] | None:
         """OpenAI's completion logprobs of `ids`, whose entries are `entries` (same length; a
         None entry, the first prompt token's, gives null logprobs); at most `top` top ones."""
         if entries is None:
@@ -350,10 +408,21 @@ class Serving:
         content = []
         for token_id, entry in zip(ids, entries):
             name = self._token_name(token_id, entry)
-            content.append({"token": name, "logprob": entry[token_id].logprob, "bytes": list(name.encode()),
-                            "top_logprobs": [{"token": self._token_name(t, entry), "logprob": lp.logprob,
-                                              "bytes": list(self._token_name(t, entry).encode())}
-                                             for t, lp in self._ranked(entry)]})
+            content.append(
+                {
+                    "token": name,
+                    "logprob": entry[token_id].logprob,
+                    "bytes": list(name.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": self._token_name(t, entry),
+                            "logprob": lp.logprob,
+                            "bytes": list(self._token_name(t, entry).encode()),
+                        }
+                        for t, lp in self._ranked(entry)
+                    ],
+                }
+            )
         return {"content": content}
 
     @staticmethod
@@ -392,8 +461,13 @@ class Serving:
                     if lp is not None:
                         lp["text_offset"] = [o + offsets.get(index, 0) for o in lp["text_offset"]]
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-                    choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
                     if first:
                         choice = self._scoring_fields(req, out, choice, [])
                     if req.return_token_ids:
@@ -428,19 +502,32 @@ class Serving:
                         continue
                     if c.index not in started:  # the role goes out once the first token exists
                         started.add(c.index)
-                        yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant",
-                                                                                      "content": ""},
-                                                         "logprobs": None, "finish_reason": None}]})
+                        yield _sse(
+                            {
+                                **head,
+                                "choices": [
+                                    {
+                                        "index": c.index,
+                                        "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ],
+                            }
+                        )
                     if c.delta_parsed is None:
                         delta = {"content": c.delta_text} if c.delta_text else {}
                     else:
                         delta = parsed_delta(c.delta_parsed, req.include_reasoning)
                         if c.delta_parsed.tool_calls:
                             called.add(c.index)
-                    choice = {"index": c.index, "delta": delta,
-                              "logprobs": self.chat_logprobs(c.delta_logprobs, c.delta_token_ids),
-                              "finish_reason": chat_finish_reason(c, c.index in called, req.tool_choice),
-                              "stop_reason": c.stop_reason}
+                    choice = {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": self.chat_logprobs(c.delta_logprobs, c.delta_token_ids),
+                        "finish_reason": chat_finish_reason(c, c.index in called, req.tool_choice),
+                        "stop_reason": c.stop_reason,
+                    }
                     if c.finish_reason:
                         finished.add(c.index)
                     yield _sse({**head, "choices": [choice]})

@@ -88,7 +88,7 @@ class GuardMiddleware:
     reading). The body is buffered and replayed to the app; later receive() calls
     (disconnect detection) go to the server."""
 
-    def __init__(self, app: ASGIApp, config: "ServerConfig") -> None:
+    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app, self.config = app, config
         self._keys = tuple(k.encode() for k in config.all_api_keys)
         self._want = self._keys or None  # None: no key required
@@ -123,7 +123,8 @@ class GuardMiddleware:
                 return await self._refuse(scope, 401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):
             return await self._refuse(scope, 415, "request bodies must be JSON (Content-Type: application/json)")(
-                scope, receive, send)
+                scope, receive, send
+            )
         limit = self.config.max_request_body_bytes
         length = headers.get(b"content-length")
         if length is not None:

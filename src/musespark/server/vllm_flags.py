@@ -391,7 +391,7 @@ class VllmFlag:
         for n in self.names:
             for a, b in (("--enable-", "--disable-"), ("--disable-", "--enable-")):
                 if n.startswith(a):
-                    off.append(b + n[len(a):])
+                    off.append(b + n[len(a) :])
         return list(self.names), off
 
 
@@ -419,8 +419,13 @@ class EnableDisable(argparse.Action):
         self.off = frozenset(off)
         super().__init__(on + off, dest, nargs=0, default=default, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, option_string not in self.off)
 
 
@@ -430,8 +435,13 @@ class _Set(argparse.Action):
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, self.const)
 
 
@@ -495,9 +505,12 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
             if flag.kind == "optional":
                 kwargs["const"] = True
             group.add_argument(*on, nargs=_NARGS.get(flag.kind), **kwargs)
-    for name, parse in (("--max-model-len", human_readable_int_or_auto),
-                        ("--max-num-batched-tokens", human_readable_int),
-                        ("--kv-cache-memory", human_readable_int), ("--kv-cache-memory-bytes", human_readable_int)):
+    for name, parse in (
+        ("--max-model-len", human_readable_int_or_auto),
+        ("--max-num-batched-tokens", human_readable_int),
+        ("--kv-cache-memory", human_readable_int),
+        ("--kv-cache-memory-bytes", human_readable_int),
+    ):
         if name in known:
             known[name].type = parse
     if "--dtype" in known:
@@ -521,8 +534,10 @@ def _check_parallel(flag: VllmFlag, value: Any) -> str | None:
 def _check_executor_backend(flag: VllmFlag, value: Any) -> str | None:
     if value in ("mp", "external_launcher"):
         return None  # spawned workers; or ranks a launcher started (detected from its environment)
-    return f"refused: --distributed-executor-backend {value}: only mp (local workers) and external_launcher " \
-           "(torchrun) are implemented"
+    return (
+        f"refused: --distributed-executor-backend {value}: only mp (local workers) and external_launcher "
+        "(torchrun) are implemented"
+    )
 
 
 def _check_kv_cache_dtype(flag: VllmFlag, value: Any) -> str | None:
@@ -550,10 +565,15 @@ def _check_structured_outputs(flag: VllmFlag, value: Any) -> str | None:
     return "ignored: only the built-in (xgrammar) structured outputs backend exists; settings not applied"
 
 
-_CHECKS = {"--distributed-executor-backend": _check_executor_backend, "--data-parallel-size": _check_parallel, "--decode-context-parallel-size": _check_parallel,
-           "--prefill-context-parallel-size": _check_parallel,
-           "--kv-cache-dtype": _check_kv_cache_dtype, "--quantization": _check_quantization,
-           "--structured-outputs-config": _check_structured_outputs}
+_CHECKS = {
+    "--distributed-executor-backend": _check_executor_backend,
+    "--data-parallel-size": _check_parallel,
+    "--decode-context-parallel-size": _check_parallel,
+    "--prefill-context-parallel-size": _check_parallel,
+    "--kv-cache-dtype": _check_kv_cache_dtype,
+    "--quantization": _check_quantization,
+    "--structured-outputs-config": _check_structured_outputs,
+}
 
 
 def check_vllm_compat(args: argparse.Namespace, log: logging.Logger | None = None) -> None:
@@ -581,8 +601,14 @@ def check_vllm_compat(args: argparse.Namespace, log: logging.Logger | None = Non
 
 
 # vLLM's --override-generation-config keys (generation_config.json names) -> SamplingParams fields.
-_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def parse_override_generation_config(value: str | None, log: logging.Logger | None = None) -> dict[str, Any]:
@@ -600,5 +626,6 @@ def parse_override_generation_config(value: str | None, log: logging.Logger | No
     unknown = sorted(set(data) - set(_GENERATION_KEYS))
     if unknown:
         (log or logging.getLogger("musespark.server")).warning(
-            f"--override-generation-config: key(s) {unknown} ignored (supported: {sorted(_GENERATION_KEYS)})")
+            f"--override-generation-config: key(s) {unknown} ignored (supported: {sorted(_GENERATION_KEYS)})"
+        )
     return {_GENERATION_KEYS[k]: v for k, v in data.items() if k in _GENERATION_KEYS and v is not None}

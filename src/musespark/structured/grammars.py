@@ -29,7 +29,7 @@ from ..sampling_params import StructuredOutputsParams
 
 MESSAGE = "<|message|>"
 # Raw string parameter values: anything but '<' (so `</atem:parameter>` ends the value).
-_RAW_STRING = 'root ::= [^<]*'
+_RAW_STRING = "root ::= [^<]*"
 _ENGINE_NOISE = re.compile(r"^\s*\[[0-9:. ]+\]\s*\S+:\d+:\s*")  # "[17:09:23] /project/cpp/x.cc:94: "
 
 
@@ -47,8 +47,9 @@ def _reason(exc: Exception) -> str:
 
 def _refuse(param: str, what: str, exc: Exception, where: str | None = None) -> InvalidArgumentError:
     """`param` is the request field to blame; `where` (default: param) says where inside it."""
-    return InvalidArgumentError(f"{where or param}: the grammar engine cannot compile this {what}: {_reason(exc)}",
-                                param=param)
+    return InvalidArgumentError(
+        f"{where or param}: the grammar engine cannot compile this {what}: {_reason(exc)}", param=param
+    )
 
 
 def literal(text: str) -> Any:
@@ -102,6 +103,7 @@ def body_grammar(spec: StructuredOutputsParams) -> Any:
 
 # -- ATEM tool calls ----------------------------------------------------------------------------
 
+
 def tool_functions(tools: Any, param: str = "tools") -> list[dict[str, Any]]:
     """The `function` objects of OpenAI tool definitions (already checked by engine/chat.py
     for requests; checked again here for offline callers)."""
@@ -109,8 +111,9 @@ def tool_functions(tools: Any, param: str = "tools") -> list[dict[str, Any]]:
     for i, tool in enumerate(tools or ()):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidArgumentError(f"{param}[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                                       param=param)
+            raise InvalidArgumentError(
+                f"{param}[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param=param
+            )
         params = fn.get("parameters")
         if params is not None and not isinstance(params, Mapping):
             raise InvalidArgumentError(f"{param}[{i}].function.parameters must be a JSON schema object", param=param)
@@ -149,9 +152,11 @@ def atem_body(fn: Mapping[str, Any], compact: bool, param: str = "tools") -> Any
     order = required + [k for k in props if k not in required]
     parts = [literal(f'<atem:function_calls>\n<atem:invoke name="{name}">\n')]
     for key in order:
-        one = x_concat(literal(f'<atem:parameter name="{key}">'),
-                       _value_grammar(props[key], param, compact, f"{param}: {name}.parameters.properties.{key}"),
-                       literal("</atem:parameter>\n"))
+        one = x_concat(
+            literal(f'<atem:parameter name="{key}">'),
+            _value_grammar(props[key], param, compact, f"{param}: {name}.parameters.properties.{key}"),
+            literal("</atem:parameter>\n"),
+        )
         parts.append(one if key in required else _optional(one))
     parts.append(literal("</atem:invoke>\n</atem:function_calls>"))
     return x_concat(*parts)

@@ -93,11 +93,15 @@ class StructuredOutputManager:
             if self._compiler is None:
                 xgr = g.xgr()
                 strings, kind = self.tokenizer.vocab_encoding()
-                vocab_type = {"byte_level": xgr.VocabType.BYTE_LEVEL, "byte_fallback": xgr.VocabType.BYTE_FALLBACK,
-                              "raw": xgr.VocabType.RAW}[kind]
-                strings = strings[:self.vocab_size]
-                info = xgr.TokenizerInfo(strings, vocab_type, vocab_size=self.vocab_size,
-                                         stop_token_ids=sorted(self.tokenizer.eos_token_ids))
+                vocab_type = {
+                    "byte_level": xgr.VocabType.BYTE_LEVEL,
+                    "byte_fallback": xgr.VocabType.BYTE_FALLBACK,
+                    "raw": xgr.VocabType.RAW,
+                }[kind]
+                strings = strings[: self.vocab_size]
+                info = xgr.TokenizerInfo(
+                    strings, vocab_type, vocab_size=self.vocab_size, stop_token_ids=sorted(self.tokenizer.eos_token_ids)
+                )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
             return self._compiler
 
@@ -132,15 +136,21 @@ class StructuredOutputManager:
         try:
             if spec.final_message_only and self.has_channels:
                 return CompiledStructure(
-                    spec, self, answer=compiler.compile_grammar(g.with_header("assistant to=", bodies)),
-                    bodies={r: compiler.compile_grammar(b) for r, b in bodies.items()}, aliases=aliases)
+                    spec,
+                    self,
+                    answer=compiler.compile_grammar(g.with_header("assistant to=", bodies)),
+                    bodies={r: compiler.compile_grammar(b) for r, b in bodies.items()},
+                    aliases=aliases,
+                )
             first = g.with_header(" to=", bodies) if spec.tool_calls is not None else bodies["user"]
             return CompiledStructure(spec, self, first=compiler.compile_grammar(first))
         except InvalidArgumentError:
             raise
         except Exception as exc:  # a grammar that parsed but does not compile
-            raise InvalidArgumentError(f"structured_outputs: the grammar engine cannot compile it: {g._reason(exc)}",
-                                       param="structured_outputs") from None
+            raise InvalidArgumentError(
+                f"structured_outputs: the grammar engine cannot compile it: {g._reason(exc)}",
+                param="structured_outputs",
+            ) from None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -238,4 +248,3 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32)
     bits = (words.to(torch.int32)[:, None] >> shifts) & 1  # [W, 32]
     return bits.reshape(-1)[:vocab_size].bool()
-

@@ -6,9 +6,9 @@
 Keys are vLLM 0.33's `SpeculativeConfig` field names. Invariants:
 * Every key vLLM accepts is either implemented (`method`, `model`, `num_speculative_tokens`,
   `prompt_lookup_min`, `prompt_lookup_max`, `draft_sample_method` for dspark), accepted
-  because ignoring it cannot change any output (`_IGNORED`: draft-side performance switches; or any key given at vLLM's default
-  value), or refused with a ValueError that names it. A key vLLM does not have is refused
-  too ("unknown key"), as is a method other than "ngram" and "dspark".
+  because ignoring it cannot change any output (`_IGNORED`: draft-side performance switches;
+  or any key given at vLLM's default value), or refused with a ValueError that names it. A key
+  vLLM does not have is refused too ("unknown key"), as is a method other than "ngram" and "dspark".
 * vLLM's ngram defaults: neither lookup bound given -> both 5; one given -> the other takes
   its value; min <= max. `model: "ngram"` alone selects the ngram method.
 * `num_speculative_tokens` is required and positive (no draft checkpoint supplies a default here).
@@ -23,26 +23,58 @@ from typing import Any
 from ...errors import InvalidArgumentError
 
 METHODS = ("ngram", "dspark")
-_IMPLEMENTED = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                "draft_sample_method")
+_IMPLEMENTED = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "draft_sample_method",
+)
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 # Draft-side performance switches: they change how drafts are made, never what is verified.
-_IGNORED = ("enforce_eager", "disable_padded_drafter_batch", "disable_eagle_block_drop",
-            "disable_lookahead_block_hashes", "use_local_argmax_reduction")
+_IGNORED = (
+    "enforce_eager",
+    "disable_padded_drafter_batch",
+    "disable_eagle_block_drop",
+    "disable_lookahead_block_hashes",
+    "use_local_argmax_reduction",
+)
 # The other fields of vLLM 0.33's SpeculativeConfig, with vLLM's default: given at that
 # default they are accepted (nothing changes), given otherwise they are refused.
 _VLLM_DEFAULTS: dict[str, Any] = {
-    "draft_tensor_parallel_size": None, "tensor_parallel_size": None, "quantization": None, "moe_backend": None,
-    "attention_backend": None, "kv_cache_dtype": None, "max_model_len": None, "revision": None,
-    "code_revision": None, "index_share_for_mtp_iteration": None, "draft_lm_head_quantization": None,
-    "use_heterogeneous_vocab": False, "parallel_drafting": False, "target_model_config": None,
-    "target_parallel_config": None, "num_speculative_tokens_per_batch_size": None, "draft_model_config": None,
-    "draft_parallel_config": None, "suffix_decoding_max_tree_depth": 24,
-    "suffix_decoding_max_cached_requests": 10000, "suffix_decoding_max_spec_factor": 1.0,
-    "suffix_decoding_min_token_prob": 0.1, "draft_load_config": None, "rejection_sample_method": "standard",
-    "synthetic_acceptance_rates": None, "synthetic_acceptance_length": None,
-    "enable_adaptive_verification": False, "dspark_draft_topk": None,
-    "xpress_topc": None, "fly_window_size": None, "fly_entropy_threshold": 0.3, "fly_entropy_top_k": 3,
+    "draft_tensor_parallel_size": None,
+    "tensor_parallel_size": None,
+    "quantization": None,
+    "moe_backend": None,
+    "attention_backend": None,
+    "kv_cache_dtype": None,
+    "max_model_len": None,
+    "revision": None,
+    "code_revision": None,
+    "index_share_for_mtp_iteration": None,
+    "draft_lm_head_quantization": None,
+    "use_heterogeneous_vocab": False,
+    "parallel_drafting": False,
+    "target_model_config": None,
+    "target_parallel_config": None,
+    "num_speculative_tokens_per_batch_size": None,
+    "draft_model_config": None,
+    "draft_parallel_config": None,
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+    "draft_load_config": None,
+    "rejection_sample_method": "standard",
+    "synthetic_acceptance_rates": None,
+    "synthetic_acceptance_length": None,
+    "enable_adaptive_verification": False,
+    "dspark_draft_topk": None,
+    "xpress_topc": None,
+    "fly_window_size": None,
+    "fly_entropy_threshold": 0.3,
+    "fly_entropy_top_k": 3,
 }
 _PARAM = "speculative_config"
 
@@ -82,13 +114,16 @@ class SpeculativeConfig:
             raise _err(f"must be a JSON object (a dict), got {type(value).__name__}")
         data = dict(value)
         for key in data:
-            if not isinstance(key, str) or (key not in _IMPLEMENTED and key not in _IGNORED
-                                            and key not in _VLLM_DEFAULTS):
+            if not isinstance(key, str) or (
+                key not in _IMPLEMENTED and key not in _IGNORED and key not in _VLLM_DEFAULTS
+            ):
                 raise _err(f"unknown key {key!r} (vLLM's keys; implemented here: {', '.join(_IMPLEMENTED)})")
         for key, default in _VLLM_DEFAULTS.items():
             if key in data and data[key] != default:
-                raise _err(f"key {key!r}={data[key]!r} is not supported (only vLLM's default {default!r}); "
-                           f"implemented keys: {', '.join(_IMPLEMENTED)}")
+                raise _err(
+                    f"key {key!r}={data[key]!r} is not supported (only vLLM's default {default!r}); "
+                    f"implemented keys: {', '.join(_IMPLEMENTED)}"
+                )
         method, model = data.get("method"), data.get("model")
         if method is None and model in ("ngram", "[ngram]"):
             method = "ngram"

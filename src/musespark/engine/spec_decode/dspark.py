@@ -5,7 +5,8 @@ Per request and step: (1) forget context positions >= `context_start` (rejected 
 preemption), write the K/V of the new aux rows at [context_start, context_start + n); (2) if
 drafts are wanted, run the block [anchor, mask, ...] at P0 = number of context positions
 = len(token_ids) - 1 (the anchor's own position) and take N drafts from the Markov stage; a
-request whose context is still behind its last token (mid-prefill) gets no drafts. Context rows of all requests go through `fc` in one matmul, and each draft layer
+request whose context is still behind its last token (mid-prefill) gets no drafts. Context rows
+of all requests go through `fc` in one matmul, and each draft layer
 projects them in the same matmul as the blocks' rows (their K/V are stored before that layer's
 attention reads the cache); the block pass is batched over requests.
 Positions a request was never given rows for (context_start beyond what the proposer holds, e.g.
@@ -35,16 +36,27 @@ from .proposer import Proposal, ProposalRequest, Proposer
 
 
 class DSparkProposer(Proposer):
-    def __init__(self, draft: DSparkDraft, target: torch.nn.Module, num_speculative_tokens: int,
-                 draft_sample_method: Literal["greedy", "probabilistic"] = "greedy",
-                 temperature: float = 1.0, seed: int = 0, compute_confidence: bool = False) -> None:
+    def __init__(
+        self,
+        draft: DSparkDraft,
+        target: torch.nn.Module,
+        num_speculative_tokens: int,
+        draft_sample_method: Literal["greedy", "probabilistic"] = "greedy",
+        temperature: float = 1.0,
+        seed: int = 0,
+        compute_confidence: bool = False,
+    ) -> None:
         cfg, tcfg = draft.config, target.config
         if cfg.target_hidden_size != tcfg.hidden_size or cfg.hidden_size != tcfg.hidden_size:
-            raise ValueError(f"draft hidden sizes (target_hidden_size {cfg.target_hidden_size}, hidden_size "
-                             f"{cfg.hidden_size}) must equal the target's hidden_size {tcfg.hidden_size}")
+            raise ValueError(
+                f"draft hidden sizes (target_hidden_size {cfg.target_hidden_size}, hidden_size "
+                f"{cfg.hidden_size}) must equal the target's hidden_size {tcfg.hidden_size}"
+            )
         if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
-            raise ValueError(f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
-                             f"{tcfg.num_hidden_layers} layers")
+            raise ValueError(
+                f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
+                f"{tcfg.num_hidden_layers} layers"
+            )
         if cfg.vocab_size < tcfg.vocab_size:
             raise ValueError(f"draft vocab_size {cfg.vocab_size} must cover the target vocabulary {tcfg.vocab_size}")
         if num_speculative_tokens < 1:
@@ -63,8 +75,7 @@ class DSparkProposer(Proposer):
         self.last_confidence: dict[str, list[float]] = {}  # per request, with compute_confidence and the head
 
     @classmethod
-    def load(cls, path: str, target: torch.nn.Module, num_speculative_tokens: int,
-             **options: object) -> "DSparkProposer":
+    def load(cls, path: str, target: torch.nn.Module, num_speculative_tokens: int, **options: object) -> DSparkProposer:
         """Load the draft at `path` in the target's dtype, on its device."""
         draft = load_draft(path, target.config.num_hidden_layers, target.dtype, target.device)
         return cls(draft, target, num_speculative_tokens, **options)  # type: ignore[arg-type]
@@ -91,15 +102,18 @@ class DSparkProposer(Proposer):
                 offset = 0
                 for r, cache in given:
                     n = r.hidden.shape[0]
-                    cache.put(layer, r.context_start, k[offset:offset + n], v[offset:offset + n])
+                    cache.put(layer, r.context_start, k[offset : offset + n], v[offset : offset + n])
                     offset += n
+
             context = (c, pos.to(device), store)
         # (2) block pass for the requests that want drafts and whose context reaches their last
         # token (the anchor); a context still behind it (a prefill chunk) drafts nothing
         for r, cache in zip(requests, caches):
             if r.num_tokens > 0 and cache.length >= len(r.token_ids):
-                raise ValueError(f"request {r.request_id}: context covers {cache.length} positions but only "
-                                 f"{len(r.token_ids)} tokens exist (no anchor)")
+                raise ValueError(
+                    f"request {r.request_id}: context covers {cache.length} positions but only "
+                    f"{len(r.token_ids)} tokens exist (no anchor)"
+                )
         want = [i for i, r in enumerate(requests) if r.num_tokens > 0 and caches[i].length == len(r.token_ids) - 1]
         out = [Proposal([]) for _ in requests]
         if not want:
@@ -121,7 +135,7 @@ class DSparkProposer(Proposer):
         embed = self.target.embed_tokens.weight
         attend = cached_attend(draft, [caches[i] for i in want], positions)
         y = draft.block_hidden(tokens, positions, embed, attend, context)
-        y = y[:, nq - N:]  # row k predicts position P0 + k + 1
+        y = y[:, nq - N :]  # row k predicts position P0 + k + 1
         sample = None if self.method == "greedy" else self._sampler([requests[i] for i in want], starts)
         drafts, logits, conf = draft.choose(y, anchor_t, sample, self.compute_confidence)
         for j, i in enumerate(want):
@@ -138,6 +152,7 @@ class DSparkProposer(Proposer):
 
     def _sampler(self, requests: list[ProposalRequest], starts: list[int]):
         """sample(l' [B, V_d], k) -> draft ids [B]: one seeded generator per (request, position)."""
+
         def sample(logits: torch.Tensor, k: int) -> torch.Tensor:
             probs = torch.softmax(logits / self.temperature, -1)
             picks = []
@@ -146,4 +161,5 @@ class DSparkProposer(Proposer):
                 gen = torch.Generator(device=probs.device).manual_seed(key)
                 picks.append(torch.multinomial(probs[b], 1, generator=gen))
             return torch.cat(picks)
+
         return sample

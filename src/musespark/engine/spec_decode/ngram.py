@@ -37,8 +37,10 @@ class NgramProposer(Proposer):
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max or num_speculative_tokens < 1:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({prompt_lookup_max}) and num_speculative_tokens >= 1 ({num_speculative_tokens})")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
+                f"({prompt_lookup_max}) and num_speculative_tokens >= 1 ({num_speculative_tokens})"
+            )
         self.k = num_speculative_tokens
         self.lo, self.hi = prompt_lookup_min, prompt_lookup_max
         self._index: dict[str, _Index] = {}
@@ -52,11 +54,11 @@ class NgramProposer(Proposer):
         if first > end:
             return
         lo, hi, last, earliest = self.lo, self.hi, state.last_end, state.first_end
-        window = list(tokens[max(0, first - hi):end])
+        window = list(tokens[max(0, first - hi) : end])
         base = max(0, first - hi)
         for e in range(first, end + 1):
             for n in range(lo, min(hi, e) + 1):
-                key = tuple(window[e - n - base:e - base])
+                key = tuple(window[e - n - base : e - base])
                 last[key] = e
                 earliest.setdefault(key, e)
         state.num_indexed = end + 1
@@ -67,14 +69,14 @@ class NgramProposer(Proposer):
             state = _Index()
         self._extend(state, tokens)
         length = len(tokens)
-        tail = list(tokens[max(0, length - self.hi):])
+        tail = list(tokens[max(0, length - self.hi) :])
         for n in range(min(self.hi, length - 1), self.lo - 1, -1):
-            key = tuple(tail[len(tail) - n:])
+            key = tuple(tail[len(tail) - n :])
             e = state.last_end.get(key)
             if e is not None:
                 if length - e < num_tokens:
                     e = state.first_end[key]
-                return list(tokens[e:min(e + num_tokens, length)])
+                return list(tokens[e : min(e + num_tokens, length)])
         return []
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:

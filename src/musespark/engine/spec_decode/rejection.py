@@ -76,8 +76,12 @@ def verify_greedy(draft_ids: list[int], target_argmax: list[int]) -> VerifyResul
     return VerifyResult(list(draft_ids[:n]) + [target_argmax[n]], n)
 
 
-def verify_sampled(draft_ids: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator | None) -> VerifyResult:
+def verify_sampled(
+    draft_ids: list[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> VerifyResult:
     """target_probs [k+1, V] fp32 (rows sum to 1); draft_probs [k, V] or None (one-hot drafts)."""
     k = len(draft_ids)
     if target_probs.shape[0] != k + 1:
@@ -100,8 +104,9 @@ def verify_sampled(draft_ids: list[int], target_probs: torch.Tensor, draft_probs
 TokenLogprobs = tuple[float, list[int], list[float]]  # as model_runner.TokenLogprobs
 
 
-def verify_requests(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
-                    draft_probs: list[torch.Tensor | None]) -> tuple[list[VerifyResult], list[list[TokenLogprobs]]]:
+def verify_requests(
+    logits: torch.Tensor, requests: list[Request], drafts: list[list[int]], draft_probs: list[torch.Tensor | None]
+) -> tuple[list[VerifyResult], list[list[TokenLogprobs]]]:
     """logits [sum(k_i + 1), V] fp32: request i's k_i + 1 rows in order (anchor, drafts).
 
     Row j of a request is processed exactly as the sampler would have processed it had
@@ -133,14 +138,14 @@ def verify_requests(logits: torch.Tensor, requests: list[Request], drafts: list[
     for r, d, q in zip(requests, drafts, draft_probs):
         k = len(d)
         if r.params.greedy:
-            res = verify_greedy(d, argmax[row:row + k + 1])
+            res = verify_greedy(d, argmax[row : row + k + 1])
         else:
-            res = verify_sampled(d, probs[row:row + k + 1], q, r.generator)
+            res = verify_sampled(d, probs[row : row + k + 1], q, r.generator)
         results.append(res)
         lps: list[TokenLogprobs] = []
         if r.params.logprobs is not None:
             m = len(res.token_ids)
-            rows = raw[row:row + m]
+            rows = raw[row : row + m]
             lse = torch.logsumexp(rows, dim=-1, keepdim=True)
             ids = torch.tensor(res.token_ids, dtype=torch.int64, device=rows.device)
             chosen = (rows.gather(-1, ids[:, None]) - lse).squeeze(-1).tolist()
@@ -151,16 +156,22 @@ def verify_requests(logits: torch.Tensor, requests: list[Request], drafts: list[
     return results, logprobs
 
 
-def verify_step(logits: torch.Tensor, batch: Any, sample_reqs: Sequence[Request],
-                sample_plain: Callable[[torch.Tensor, list[Request]], None]
-                ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+def verify_step(
+    logits: torch.Tensor,
+    batch: Any,
+    sample_reqs: Sequence[Request],
+    sample_plain: Callable[[torch.Tensor, list[Request]], None],
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
     """One step's sampling when some requests verify drafts. `logits` [rows, V]: each of
     `sample_reqs` in order, with 1 + k rows if `batch` (a ScheduledBatch) gave it k drafts,
     else 1. Requests without drafts go to `sample_plain(their rows, them)` (the runner's
     sampler); the others are verified. Returns (verified tokens, their logprobs if asked)
     by request id."""
-    drafts = {r.request_id: (d, q) for r, d, q in zip(batch.requests, batch.spec_token_ids,
-                                                       batch.spec_probs or [None] * len(batch.requests)) if d}
+    drafts = {
+        r.request_id: (d, q)
+        for r, d, q in zip(batch.requests, batch.spec_token_ids, batch.spec_probs or [None] * len(batch.requests))
+        if d
+    }
     plain_rows: list[int] = []
     spec_rows: list[int] = []
     plain: list[Request] = []
@@ -173,9 +184,12 @@ def verify_step(logits: torch.Tensor, batch: Any, sample_reqs: Sequence[Request]
         row += m
     if plain:
         sample_plain(logits[torch.tensor(plain_rows, device=logits.device)], plain)
-    results, logprobs = verify_requests(logits[torch.tensor(spec_rows, device=logits.device)], spec,
-                                        [drafts[r.request_id][0] for r in spec],
-                                        [drafts[r.request_id][1] for r in spec])
+    results, logprobs = verify_requests(
+        logits[torch.tensor(spec_rows, device=logits.device)],
+        spec,
+        [drafts[r.request_id][0] for r in spec],
+        [drafts[r.request_id][1] for r in spec],
+    )
     verified = {r.request_id: res.token_ids for r, res in zip(spec, results)}
     asked = {r.request_id: lps for r, lps in zip(spec, logprobs) if r.params.logprobs is not None}
     return verified, asked

@@ -51,20 +51,25 @@ def build_proposer(config: SpeculativeConfig, target: torch.nn.Module, target_pa
             from .dspark import DSparkProposer
         except ModuleNotFoundError as exc:
             if exc.name is not None and exc.name.endswith("spec_decode.dspark"):
-                raise InvalidArgumentError("speculative_config: method 'dspark' is not available in this build "
-                                           "(musespark.engine.spec_decode.dspark is missing)",
-                                           param="speculative_config") from None
+                raise InvalidArgumentError(
+                    "speculative_config: method 'dspark' is not available in this build "
+                    "(musespark.engine.spec_decode.dspark is missing)",
+                    param="speculative_config",
+                ) from None
             raise
         path = config.model if config.model is not None else str(target_path)
         if config.draft_sample_method == "greedy":
             return DSparkProposer.load(path, target, config.num_speculative_tokens)
         try:  # probabilistic drafts: the proposer returns q with them (Proposal.probs)
-            return DSparkProposer.load(path, target, config.num_speculative_tokens,
-                                       draft_sample_method=config.draft_sample_method)
+            return DSparkProposer.load(
+                path, target, config.num_speculative_tokens, draft_sample_method=config.draft_sample_method
+            )
         except TypeError as exc:
-            raise InvalidArgumentError(f"speculative_config: this dspark proposer does not take "
-                                       f"draft_sample_method={config.draft_sample_method!r} ({exc})",
-                                       param="speculative_config") from None
+            raise InvalidArgumentError(
+                f"speculative_config: this dspark proposer does not take "
+                f"draft_sample_method={config.draft_sample_method!r} ({exc})",
+                param="speculative_config",
+            ) from None
     raise InvalidArgumentError(f"speculative_config: unknown method {config.method!r}", param="speculative_config")
 
 
@@ -106,12 +111,18 @@ class Speculator:
         """Drafts this request may verify next step (0: it does not speculate)."""
         if request.grammar is not None or request.num_computed_tokens != request.num_tokens - 1:
             return 0
-        return max(0, min(self.config.num_speculative_tokens,
-                          request.max_tokens - len(request.output_token_ids) - 1,
-                          self.max_model_len - request.num_tokens - 1))
+        return max(
+            0,
+            min(
+                self.config.num_speculative_tokens,
+                request.max_tokens - len(request.output_token_ids) - 1,
+                self.max_model_len - request.num_tokens - 1,
+            ),
+        )
 
-    def after_step(self, batch: ScheduledBatch, out: ModelRunnerOutput, computed_before: list[int],
-                   finished: list[Request]) -> None:
+    def after_step(
+        self, batch: ScheduledBatch, out: ModelRunnerOutput, computed_before: list[int], finished: list[Request]
+    ) -> None:
         """Count acceptance, forget finished and preempted requests, propose next drafts."""
         for request in [*batch.preempted, *finished]:
             self.drop(request.request_id)
@@ -135,7 +146,7 @@ class Speculator:
             hidden = None
             if out.aux is not None:
                 row = out.first_row[request.request_id]
-                hidden = out.aux[row:row + request.num_computed_tokens - start]
+                hidden = out.aux[row : row + request.num_computed_tokens - start]
             budget = self._budget(request)
             if budget and self._backing_off(request.request_id):
                 budget = 0
@@ -144,14 +155,18 @@ class Speculator:
         if not asks:
             return
         for ask, request, proposal in zip(asks, targets, self.proposer.propose(asks)):
-            ids = list(proposal.token_ids[:ask.num_tokens])
+            ids = list(proposal.token_ids[: ask.num_tokens])
             if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
                 raise RuntimeError(f"proposer drafted token ids outside [0, {self.vocab_size}): {ids}")
             request.spec_token_ids = ids
-            request.spec_probs = None if proposal.probs is None or not ids else proposal.probs[:len(ids)]
+            request.spec_probs = None if proposal.probs is None or not ids else proposal.probs[: len(ids)]
 
     def stats(self) -> dict[str, int | tuple[int, ...]]:
         """`EngineStats` fields."""
-        return dict(num_speculative_tokens=self.config.num_speculative_tokens, spec_num_drafts=self.num_drafts,
-                    spec_num_draft_tokens=self.num_draft_tokens, spec_num_accepted_tokens=self.num_accepted_tokens,
-                    spec_accepted_per_pos=tuple(self.accepted_per_pos))
+        return dict(
+            num_speculative_tokens=self.config.num_speculative_tokens,
+            spec_num_drafts=self.num_drafts,
+            spec_num_draft_tokens=self.num_draft_tokens,
+            spec_num_accepted_tokens=self.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.accepted_per_pos),
+        )

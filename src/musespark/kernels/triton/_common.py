@@ -41,8 +41,10 @@ def check_device(*tensors: torch.Tensor) -> None:
     """Raise ValueError unless every tensor is on CUDA, or on CPU with interpreted kernels."""
     for t in tensors:
         if t.device.type == "cpu" and not _INTERPRETED:
-            raise ValueError("Triton kernels run CPU tensors only under TRITON_INTERPRET=1, set before "
-                             "musespark.kernels.triton's kernels are imported")
+            raise ValueError(
+                "Triton kernels run CPU tensors only under TRITON_INTERPRET=1, set before "
+                "musespark.kernels.triton's kernels are imported"
+            )
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:

@@ -22,16 +22,39 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layers.attention import AttentionContext, paged_attention as torch_paged_attention
+from ...layers.attention import AttentionContext
+from ...layers.attention import paged_attention as torch_paged_attention
 from ._common import check_device, dot_precision, dot_upcast, is_bf16, pow2, round_to
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, qsl_ptr, len_ptr, bt_ptr, bt_stride,
-                      tile_seq_ptr, tile_pair_ptr, nH, nKV, D, block_size, scale, window,
-                      PAGED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, KV_BF16: tl.constexpr,
-                      OUT_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+def _attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    pos_ptr,
+    qsl_ptr,
+    len_ptr,
+    bt_ptr,
+    bt_stride,
+    tile_seq_ptr,
+    tile_pair_ptr,
+    nH,
+    nKV,
+    D,
+    block_size,
+    scale,
+    window,
+    PAGED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    KV_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.load(tile_seq_ptr + tile)
@@ -46,8 +69,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, qsl_ptr, len_ptr, b
     ds = tl.arange(0, BLOCK_D)
     d_ok = ds < D
     q_rows = (qs + qi).to(tl.int64)
-    q = tl.load(q_ptr + (q_rows[:, None] * nH + head[:, None]) * D + ds[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q_rows[:, None] * nH + head[:, None]) * D + ds[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = tl.load(pos_ptr + q_rows, mask=row_ok, other=0)
@@ -96,8 +122,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, qsl_ptr, len_ptr, b
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_rows[:, None] * nH + head[:, None]) * D + ds[None, :], round_to(out, OUT_BF16),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + (q_rows[:, None] * nH + head[:, None]) * D + ds[None, :],
+        round_to(out, OUT_BF16),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @dataclass(frozen=True)
@@ -126,14 +155,25 @@ def attention_meta(ctx: AttentionContext, group: int, device: torch.device, bloc
             firsts.append(p0)
     flat = torch.tensor(qsl + lens + seqs + firsts, dtype=torch.int32).to(device, non_blocking=True)
     n = len(seqs)
-    return AttentionMeta(flat[:B + 1], flat[B + 1:2 * B + 1], flat[2 * B + 1:2 * B + 1 + n], flat[2 * B + 1 + n:],
-                         group, block_m)
+    return AttentionMeta(
+        flat[: B + 1], flat[B + 1 : 2 * B + 1], flat[2 * B + 1 : 2 * B + 1 + n], flat[2 * B + 1 + n :], group, block_m
+    )
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                    ctx: AttentionContext, layer: int, scale: float, window: int | None,
-                    block_m: int = 16, block_n: int = 32, write_cache: bool = True,
-                    meta: AttentionMeta | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+    layer: int,
+    scale: float,
+    window: int | None,
+    block_m: int = 16,
+    block_n: int = 32,
+    write_cache: bool = True,
+    meta: AttentionMeta | None = None,
+) -> torch.Tensor:
     """The contract of `layers.attention.paged_attention` (q [T, nH, D], k/v [T, nKV, D],
     positions [T]) -> o [T, nH, D] in q's dtype. With a paged cache the new k/v are written
     at the layer group's slot_mapping first (skip with `write_cache=False` when already done),
@@ -171,14 +211,45 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     upcast = dot_upcast(keys.dtype) or keys.dtype != q.dtype
     prec = dot_precision(torch.float32 if upcast else keys.dtype)
     _attention_kernel[(meta.tile_seq.numel(), nKV)](
-        q, keys, values, out, positions, meta.qsl, meta.lens, tables, stride, meta.tile_seq, meta.tile_pair, nH, nKV,
-        D, block_size,
-        float(scale), int(window or 0), PAGED=paged, UPCAST=upcast, PREC=prec, KV_BF16=is_bf16(keys.dtype),
-        OUT_BF16=is_bf16(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(D), num_warps=4)
+        q,
+        keys,
+        values,
+        out,
+        positions,
+        meta.qsl,
+        meta.lens,
+        tables,
+        stride,
+        meta.tile_seq,
+        meta.tile_pair,
+        nH,
+        nKV,
+        D,
+        block_size,
+        float(scale),
+        int(window or 0),
+        PAGED=paged,
+        UPCAST=upcast,
+        PREC=prec,
+        KV_BF16=is_bf16(keys.dtype),
+        OUT_BF16=is_bf16(q.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=pow2(D),
+        num_warps=4,
+    )
     return out
 
 
-def reference_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                              ctx: AttentionContext, layer: int, scale: float, window: int | None) -> torch.Tensor:
+def reference_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+    layer: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """`layers.attention.paged_attention` (writes the cache, then attends)."""
     return torch_paged_attention(q, k, v, positions, ctx, layer, scale, window)

@@ -29,9 +29,24 @@ from ._common import check_device, dot_precision, dot_upcast, interpreted, is_bf
 
 
 @triton.jit
-def _gate_up_kernel(u_ptr, src_ptr, w_ptr, h_ptr, tile_e_ptr, tile_s_ptr, tile_n_ptr, E, Hm, Im,
-                    UPCAST: tl.constexpr, PREC: tl.constexpr, OUT_BF16: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_kernel(
+    u_ptr,
+    src_ptr,
+    w_ptr,
+    h_ptr,
+    tile_e_ptr,
+    tile_s_ptr,
+    tile_n_ptr,
+    E,
+    Hm,
+    Im,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     e64 = tl.minimum(e, E - 1).to(tl.int64)
@@ -49,10 +64,14 @@ def _gate_up_kernel(u_ptr, src_ptr, w_ptr, h_ptr, tile_e_ptr, tile_s_ptr, tile_n
     for k0 in range(0, Hm, BLOCK_K):
         k_ok = (k0 + ks) < Hm
         x = tl.load(u_ptr + src[:, None] * Hm + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(w_base + cols[None, :].to(tl.int64) * Hm + k0 + ks[:, None],
-                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        wu = tl.load(w_base + (Im + cols[None, :]).to(tl.int64) * Hm + k0 + ks[:, None],
-                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wg = tl.load(
+            w_base + cols[None, :].to(tl.int64) * Hm + k0 + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )
+        wu = tl.load(
+            w_base + (Im + cols[None, :]).to(tl.int64) * Hm + k0 + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             x, wg, wu = x.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         acc_g = tl.dot(x, wg, acc_g, input_precision=PREC)
@@ -64,9 +83,23 @@ def _gate_up_kernel(u_ptr, src_ptr, w_ptr, h_ptr, tile_e_ptr, tile_s_ptr, tile_n
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, y_ptr, tile_e_ptr, tile_s_ptr, tile_n_ptr, E, Hm, Im,
-                 UPCAST: tl.constexpr, PREC: tl.constexpr, OUT_BF16: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(
+    h_ptr,
+    w_ptr,
+    y_ptr,
+    tile_e_ptr,
+    tile_s_ptr,
+    tile_n_ptr,
+    E,
+    Hm,
+    Im,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     e64 = tl.minimum(e, E - 1).to(tl.int64)
@@ -83,13 +116,15 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, tile_e_ptr, tile_s_ptr, tile_n_ptr, E, Hm,
     for k0 in range(0, Im, BLOCK_K):
         k_ok = (k0 + ks) < Im
         x = tl.load(h_ptr + rows64[:, None] * Im + k0 + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + cols[None, :].to(tl.int64) * Im + k0 + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        w = tl.load(
+            w_base + cols[None, :].to(tl.int64) * Im + k0 + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision=PREC)
-    tl.store(y_ptr + rows64[:, None] * Hm + cols[None, :], round_to(acc, OUT_BF16),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(
+        y_ptr + rows64[:, None] * Hm + cols[None, :], round_to(acc, OUT_BF16), mask=row_ok[:, None] & col_ok[None, :]
+    )
 
 
 @triton.jit
@@ -125,9 +160,18 @@ def _tiles(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     return order, e.to(torch.int32), first.to(torch.int32), n.to(torch.int32)
 
 
-def moe_experts(u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, post_gain: torch.Tensor, eps: float,
-                block_m: int | None = None, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+def moe_experts(
+    u: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    post_gain: torch.Tensor,
+    eps: float,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 32,
+) -> torch.Tensor:
     """u [T, Hm] model dtype; weights [T, k] fp32; ids [T, k] int; gate_up [E, 2*Im, Hm] (gate rows,
     then up rows); down [E, Hm, Im]; post_gain [Hm] fp32 (1 + post-expert norm weight)
     -> sum over each token's experts, in increasing id, of w * rms(y * post_gain, eps): [T, Hm] fp32.
@@ -160,18 +204,66 @@ def moe_experts(u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_
     G = tile_e.shape[0]
     bk = min(block_k, pow2(Hm)), min(block_k, pow2(Im))
     _gate_up_kernel[(G, triton.cdiv(Im, block_n))](
-        u, src, gate_up, h, tile_e, tile_s, tile_n, E, Hm, Im, UPCAST=upcast, PREC=prec, OUT_BF16=is_bf16(dt),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk[0], num_warps=4)
+        u,
+        src,
+        gate_up,
+        h,
+        tile_e,
+        tile_s,
+        tile_n,
+        E,
+        Hm,
+        Im,
+        UPCAST=upcast,
+        PREC=prec,
+        OUT_BF16=is_bf16(dt),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=bk[0],
+        num_warps=4,
+    )
     _down_kernel[(G, triton.cdiv(Hm, block_n))](
-        h, down, y, tile_e, tile_s, tile_n, E, Hm, Im, UPCAST=upcast, PREC=prec, OUT_BF16=is_bf16(dt),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk[1], num_warps=4)
-    _norm_sum_kernel[(T,)](y, pos, weights, post_gain.float().contiguous(), out, Hm, float(eps), K=k,
-                           BLOCK_H=pow2(Hm), num_warps=max(1, min(16, pow2(Hm) // 512)))
+        h,
+        down,
+        y,
+        tile_e,
+        tile_s,
+        tile_n,
+        E,
+        Hm,
+        Im,
+        UPCAST=upcast,
+        PREC=prec,
+        OUT_BF16=is_bf16(dt),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=bk[1],
+        num_warps=4,
+    )
+    _norm_sum_kernel[(T,)](
+        y,
+        pos,
+        weights,
+        post_gain.float().contiguous(),
+        out,
+        Hm,
+        float(eps),
+        K=k,
+        BLOCK_H=pow2(Hm),
+        num_warps=max(1, min(16, pow2(Hm) // 512)),
+    )
     return out
 
 
-def reference_moe_experts(u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                          down: torch.Tensor, post_gain: torch.Tensor, eps: float) -> torch.Tensor:
+def reference_moe_experts(
+    u: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    post_gain: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
     """`layers.moe.Experts.forward` for dense experts: each expert's SwiGLU (`DenseExperts.apply`),
     the input-scaled post-norm, the weight, then each token's sum from its smallest expert id."""
     experts = SimpleNamespace(gate_up_proj=gate_up, down_proj=down)

@@ -14,15 +14,31 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layers.norm import input_scaled_rms_norm, rms, rms_norm as torch_rms_norm
+from ...layers.norm import input_scaled_rms_norm, rms
+from ...layers.norm import rms_norm as torch_rms_norm
 from ._common import check_device, is_bf16, pow2, round_to
 
 
 @triton.jit
-def _norm_residual_kernel(s_ptr, b_ptr, post_gain_ptr, alpha_ptr, beta_ptr, gain_ptr, s_out_ptr, h_ptr,
-                          H, post_eps, eps,
-                          RESIDUAL: tl.constexpr, HAS_POST_GAIN: tl.constexpr, NEXT_NORM: tl.constexpr,
-                          HAS_GAIN: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_H: tl.constexpr):
+def _norm_residual_kernel(
+    s_ptr,
+    b_ptr,
+    post_gain_ptr,
+    alpha_ptr,
+    beta_ptr,
+    gain_ptr,
+    s_out_ptr,
+    h_ptr,
+    H,
+    post_eps,
+    eps,
+    RESIDUAL: tl.constexpr,
+    HAS_POST_GAIN: tl.constexpr,
+    NEXT_NORM: tl.constexpr,
+    HAS_GAIN: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     m = cols < H
@@ -47,10 +63,18 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def norm_residual(stream: torch.Tensor, branch: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
-                  post_eps: float, post_gain: torch.Tensor | None = None, next_gain: torch.Tensor | None = None,
-                  eps: float = 0.0, out_dtype: torch.dtype | None = None, next_norm: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def norm_residual(
+    stream: torch.Tensor,
+    branch: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    post_eps: float,
+    post_gain: torch.Tensor | None = None,
+    next_gain: torch.Tensor | None = None,
+    eps: float = 0.0,
+    out_dtype: torch.dtype | None = None,
+    next_norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """stream [T, H] fp32, branch [T, H] (any float dtype), alpha/beta/post_gain/next_gain [H]
     fp32 -> (s' [T, H] fp32, h [T, H] out_dtype or None when `next_norm` is False).
     `next_gain` None with `next_norm` is a weightless next norm."""
@@ -64,15 +88,31 @@ def norm_residual(stream: torch.Tensor, branch: torch.Tensor, alpha: torch.Tenso
     block = pow2(H)
     if T > 0:
         _norm_residual_kernel[(T,)](
-            stream, branch, post_gain if post_gain is not None else alpha, alpha, beta,
-            next_gain if next_gain is not None else alpha, s_out, h, H, float(post_eps), float(eps),
-            RESIDUAL=True, HAS_POST_GAIN=post_gain is not None, NEXT_NORM=next_norm,
-            HAS_GAIN=next_gain is not None, OUT_BF16=is_bf16(out_dtype), BLOCK_H=block, num_warps=_warps(block))
+            stream,
+            branch,
+            post_gain if post_gain is not None else alpha,
+            alpha,
+            beta,
+            next_gain if next_gain is not None else alpha,
+            s_out,
+            h,
+            H,
+            float(post_eps),
+            float(eps),
+            RESIDUAL=True,
+            HAS_POST_GAIN=post_gain is not None,
+            NEXT_NORM=next_norm,
+            HAS_GAIN=next_gain is not None,
+            OUT_BF16=is_bf16(out_dtype),
+            BLOCK_H=block,
+            num_warps=_warps(block),
+        )
     return s_out, (h if next_norm else None)
 
 
-def rms_norm(x: torch.Tensor, eps: float, gain: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, eps: float, gain: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """x [T, H] (any float dtype) -> rms(x, eps) * gain [T, H] in out_dtype (default x's);
     gain [H] fp32 is the norm's full gain (gain_center + weight), None for a weightless norm."""
     check_device(x)
@@ -84,17 +124,40 @@ def rms_norm(x: torch.Tensor, eps: float, gain: torch.Tensor | None = None,
     block = pow2(H)
     if T > 0:
         _norm_residual_kernel[(T,)](
-            x, x, x, x, x, gain if gain is not None else x, out, out, H, 0.0, float(eps),
-            RESIDUAL=False, HAS_POST_GAIN=False, NEXT_NORM=True, HAS_GAIN=gain is not None,
-            OUT_BF16=is_bf16(out_dtype), BLOCK_H=block, num_warps=_warps(block))
+            x,
+            x,
+            x,
+            x,
+            x,
+            gain if gain is not None else x,
+            out,
+            out,
+            H,
+            0.0,
+            float(eps),
+            RESIDUAL=False,
+            HAS_POST_GAIN=False,
+            NEXT_NORM=True,
+            HAS_GAIN=gain is not None,
+            OUT_BF16=is_bf16(out_dtype),
+            BLOCK_H=block,
+            num_warps=_warps(block),
+        )
     return out
 
 
-def reference_norm_residual(stream: torch.Tensor, branch: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor,
-                            post_eps: float, post_gain: torch.Tensor | None = None,
-                            next_gain: torch.Tensor | None = None, eps: float = 0.0,
-                            out_dtype: torch.dtype | None = None, next_norm: bool = True
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def reference_norm_residual(
+    stream: torch.Tensor,
+    branch: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    post_eps: float,
+    post_gain: torch.Tensor | None = None,
+    next_gain: torch.Tensor | None = None,
+    eps: float = 0.0,
+    out_dtype: torch.dtype | None = None,
+    next_norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The torch formulas `norm_residual` fuses (layers/norm.py)."""
     if post_gain is None:
         b = rms(branch, post_eps)  # weightless post-attention norm
@@ -106,7 +169,8 @@ def reference_norm_residual(stream: torch.Tensor, branch: torch.Tensor, alpha: t
     return s, torch_rms_norm(s, eps, next_gain, gain_center=0.0, out_dtype=out_dtype or branch.dtype)
 
 
-def reference_rms_norm(x: torch.Tensor, eps: float, gain: torch.Tensor | None = None,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def reference_rms_norm(
+    x: torch.Tensor, eps: float, gain: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """`layers.norm.rms_norm` with the full gain as its weight."""
     return torch_rms_norm(x, eps, gain, gain_center=0.0, out_dtype=out_dtype or x.dtype)

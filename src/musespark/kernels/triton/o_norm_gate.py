@@ -31,8 +31,9 @@ def o_norm_gate(o: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     o, g = o.contiguous(), g.contiguous()
     out = torch.empty_like(o)
     if T * nH > 0:
-        _o_norm_gate_kernel[(T * nH,)](o, g, out, D, float(eps), OUT_BF16=is_bf16(o.dtype), BLOCK_D=pow2(D),
-                                       num_warps=1)
+        _o_norm_gate_kernel[(T * nH,)](
+            o, g, out, D, float(eps), OUT_BF16=is_bf16(o.dtype), BLOCK_D=pow2(D), num_warps=1
+        )
     return out
 
 

@@ -20,10 +20,27 @@ from ._common import check_device, is_bf16, pow2, round_to
 
 
 @triton.jit
-def _qk_norm_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr,
-                         heads, D, eps, scale,
-                         NORM: tl.constexpr, ROPE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_CACHE: tl.constexpr,
-                         OUT_BF16: tl.constexpr, CACHE_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+def _qk_norm_rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    v_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    heads,
+    D,
+    eps,
+    scale,
+    NORM: tl.constexpr,
+    ROPE: tl.constexpr,
+    WRITE_OUT: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    CACHE_BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     hd = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -56,9 +73,17 @@ def _qk_norm_rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, v_ptr, slot_ptr, kc_p
             tl.store(vc_ptr + dst + cols, round_to(v, CACHE_BF16), mask=m)
 
 
-def qk_norm_rope(x: torch.Tensor, eps: float, scale: float, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                 out_dtype: torch.dtype, v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> torch.Tensor:
+def qk_norm_rope(
+    x: torch.Tensor,
+    eps: float,
+    scale: float,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    out_dtype: torch.dtype,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [T, heads, D] -> rope(rms(x) * scale) [T, heads, D] in out_dtype. With the cache
     arguments (v [T, heads, D], slot_mapping [T] int64, caches [num_blocks, block_size, heads, D])
     the result and v are also written at each token's slot."""
@@ -78,15 +103,33 @@ def qk_norm_rope(x: torch.Tensor, eps: float, scale: float, rotary: tuple[torch.
         v, slot_mapping = v.contiguous(), slot_mapping.to(torch.int64).contiguous()
     if T > 0:
         _qk_norm_rope_kernel[(T, heads)](
-            x, cos, sin, out, v if cache else x, slot_mapping if cache else x, k_cache if cache else x,
-            v_cache if cache else x, heads, D, float(eps), float(scale),
-            NORM=True, ROPE=rotary is not None, WRITE_OUT=True, WRITE_CACHE=cache, OUT_BF16=is_bf16(out_dtype),
-            CACHE_BF16=cache and is_bf16(k_cache.dtype), BLOCK_D=pow2(D), num_warps=1)
+            x,
+            cos,
+            sin,
+            out,
+            v if cache else x,
+            slot_mapping if cache else x,
+            k_cache if cache else x,
+            v_cache if cache else x,
+            heads,
+            D,
+            float(eps),
+            float(scale),
+            NORM=True,
+            ROPE=rotary is not None,
+            WRITE_OUT=True,
+            WRITE_CACHE=cache,
+            OUT_BF16=is_bf16(out_dtype),
+            CACHE_BF16=cache and is_bf16(k_cache.dtype),
+            BLOCK_D=pow2(D),
+            num_warps=1,
+        )
     return out
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
     """k, v [T, nKV, D] (already normed and rotated) -> k_cache/v_cache [num_blocks, block_size,
     nKV, D] at slot_mapping [T] (negative: skipped), converted to the cache dtype."""
     check_device(k, v)
@@ -95,15 +138,40 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cac
     k, v, slots = k.contiguous(), v.contiguous(), slot_mapping.to(torch.int64).contiguous()
     if T > 0:
         _qk_norm_rope_kernel[(T, heads)](
-            k, k, k, k, v, slots, k_cache, v_cache, heads, D, 0.0, 1.0,
-            NORM=False, ROPE=False, WRITE_OUT=False, WRITE_CACHE=True, OUT_BF16=False,
-            CACHE_BF16=is_bf16(k_cache.dtype), BLOCK_D=pow2(D), num_warps=1)
+            k,
+            k,
+            k,
+            k,
+            v,
+            slots,
+            k_cache,
+            v_cache,
+            heads,
+            D,
+            0.0,
+            1.0,
+            NORM=False,
+            ROPE=False,
+            WRITE_OUT=False,
+            WRITE_CACHE=True,
+            OUT_BF16=False,
+            CACHE_BF16=is_bf16(k_cache.dtype),
+            BLOCK_D=pow2(D),
+            num_warps=1,
+        )
 
 
-def reference_qk_norm_rope(x: torch.Tensor, eps: float, scale: float,
-                           rotary: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype,
-                           v: torch.Tensor | None = None, slot_mapping: torch.Tensor | None = None,
-                           k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None) -> torch.Tensor:
+def reference_qk_norm_rope(
+    x: torch.Tensor,
+    eps: float,
+    scale: float,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    out_dtype: torch.dtype,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`layers.rotary.norm_rope`, then the cache write of `layers.attention.paged_attention`."""
     y = norm_rope(x, eps, scale, rotary, out_dtype)
     if k_cache is not None:

@@ -19,8 +19,23 @@ from ._common import check_device, pow2
 
 
 @triton.jit
-def _routing_kernel(x_ptr, w_ptr, bias_ptr, out_w_ptr, out_id_ptr, T, H, E, mult, scale, router_eps,
-                    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
+def _routing_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_w_ptr,
+    out_id_ptr,
+    T,
+    H,
+    E,
+    mult,
+    scale,
+    router_eps,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
@@ -30,10 +45,12 @@ def _routing_kernel(x_ptr, w_ptr, bias_ptr, out_w_ptr, out_id_ptr, T, H, E, mult
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         h_ok = (h0 + hs) < H
-        x = tl.load(x_ptr + rows64[:, None] * H + h0 + hs[None, :], mask=row_ok[:, None] & h_ok[None, :],
-                    other=0.0).to(tl.float32)
-        wt = tl.load(w_ptr + experts[None, :].to(tl.int64) * H + h0 + hs[:, None],
-                     mask=h_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_E]
+        x = tl.load(x_ptr + rows64[:, None] * H + h0 + hs[None, :], mask=row_ok[:, None] & h_ok[None, :], other=0.0).to(
+            tl.float32
+        )
+        wt = tl.load(
+            w_ptr + experts[None, :].to(tl.int64) * H + h0 + hs[:, None], mask=h_ok[:, None] & e_ok[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_H, BLOCK_E]
         acc = tl.dot(x, wt, acc, input_precision="ieee")
     p = tl.sigmoid(acc * mult)
     bias = tl.load(bias_ptr + experts, mask=e_ok, other=0.0)
@@ -52,13 +69,19 @@ def _routing_kernel(x_ptr, w_ptr, bias_ptr, out_w_ptr, out_id_ptr, T, H, E, mult
     dst = rows64[:, None] * K + rank
     keep = (chosen == 1) & row_ok[:, None]
     tl.store(out_w_ptr + dst, w, mask=keep)
-    tl.store(out_id_ptr + dst, experts[None, :].to(tl.int64) + tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int64),
-             mask=keep)
+    tl.store(out_id_ptr + dst, experts[None, :].to(tl.int64) + tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int64), mask=keep)
 
 
-def route_topk(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-               output_multiplier: float, routed_scaling_factor: float, block_t: int = 16, block_h: int = 32
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    output_multiplier: float,
+    routed_scaling_factor: float,
+    block_t: int = 16,
+    block_h: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (any float dtype), router_weight [E, H] fp32, bias [E] fp32 ->
     (weights [T, k] fp32, ids [T, k] int64, ids increasing along k)."""
     check_device(x)
@@ -71,14 +94,34 @@ def route_topk(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor,
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T > 0:
         _routing_kernel[(triton.cdiv(T, block_t),)](
-            x, w, bias.float().contiguous(), weights, ids, T, H, E, float(output_multiplier),
-            float(routed_scaling_factor), ROUTER_EPS, K=top_k, BLOCK_T=block_t, BLOCK_H=pow2(min(block_h, H)),
-            BLOCK_E=pow2(E), num_warps=4)
+            x,
+            w,
+            bias.float().contiguous(),
+            weights,
+            ids,
+            T,
+            H,
+            E,
+            float(output_multiplier),
+            float(routed_scaling_factor),
+            ROUTER_EPS,
+            K=top_k,
+            BLOCK_T=block_t,
+            BLOCK_H=pow2(min(block_h, H)),
+            BLOCK_E=pow2(E),
+            num_warps=4,
+        )
     return weights, ids
 
 
-def reference_route(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-                    output_multiplier: float, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    output_multiplier: float,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`layers.moe.route`, with each token's (weight, id) pairs sorted by id."""
     weights, ids = route(x, router_weight, bias, top_k, output_multiplier, routed_scaling_factor)
     ids, order = ids.sort(dim=1)
