@@ -1,8 +1,9 @@
 """Speculative decoding (ngram or dspark): decode tokens/s at batch 1, with and without.
 
     python benchmarks/spec_decode.py [--repeats 9] [--max-tokens 256] [--speculative-config JSON]
+        [--dtype auto|bfloat16|float32] [--threads N] [--workloads quote,code,novel,novel_greedy,rejected]
 
-Four workloads with the bundled model, each run without speculation and with ngram
+Five workloads with the bundled model, each run without speculation and with ngram
 (default {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 "prompt_lookup_max": 4}), alternately, `--repeats` times, in one process:
 
@@ -21,6 +22,12 @@ Four workloads with the bundled model, each run without speculation and with ngr
   reported for the greedy cases only.
 * novel_greedy: the same prompt, greedy, for the record: the tiny model's greedy text soon
   repeats itself, so ngram pays there too.
+* rejected: five stdlib files quoted (their first ~400 tokens), then each file's first lines
+  again, sampled (temperature 1.0, seed 0), 64 tokens each: prompt lookup finds the quoted
+  code's n-grams and drafts the file's next tokens, which the sampled continuation does not
+  follow, so nearly every draft is rejected (greedy, the tiny model falls into repeating
+  itself, which prompt lookup predicts). The ratio there is what speculation costs when its
+  drafts keep failing.
 
 Decode tokens/s = (output tokens - 1) / (time from the first output token to the last),
 from `LLM.generate_stream`; the figure is the median over the repeats, and the ratio is
@@ -42,8 +49,8 @@ from pathlib import Path
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def quote_prompt(tokenizer, max_file_tokens: int = 900) -> dict:
-    source = (Path(sysconfig.get_paths()["stdlib"]) / "bisect.py").read_text()
+def quote_prompt(tokenizer, max_file_tokens: int = 900, name: str = "bisect.py") -> dict:
+    source = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text()
     text = tokenizer.decode(tokenizer.encode(source)[:max_file_tokens])
     head = "\n".join(text.split("\n")[:6])
     return {"prompt_token_ids": tokenizer.encode(text + "\n\n\n" + head + "\n")}
@@ -57,6 +64,14 @@ def code_prompts(tokenizer, length: int = 64) -> list[dict]:
     draft's training data: the held-out prompts there are other files)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     return [{"prompt_token_ids": tokenizer.encode((stdlib / f).read_text())[:length]} for f in CODE_FILES]
+
+
+REJECTED_FILES = ("bisect.py", "heapq.py", "fnmatch.py", "shlex.py", "colorsys.py")
+
+
+def rejected_prompts(tokenizer, max_file_tokens: int = 400) -> list[dict]:
+    """Quoted files whose continuation the bundled model does not copy (see the module doc)."""
+    return [quote_prompt(tokenizer, max_file_tokens, name) for name in REJECTED_FILES]
 
 
 def novel_prompt(vocab_size: int, length: int = 64, seed: int = 0) -> dict:
@@ -107,14 +122,23 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--speculative-config", default=json.dumps(DEFAULT_SPEC))
     p.add_argument("--backend", default="auto")
+    p.add_argument("--dtype", default="auto", help="the model's compute dtype (auto: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--workloads",
+        default="quote,code,novel,novel_greedy,rejected",
+        help="comma-separated, from quote, code, novel, novel_greedy, rejected",
+    )
     args = p.parse_args()
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from musespark import LLM, SamplingParams
     from musespark.bench.common import print_json
 
     torch.manual_seed(0)
-    common = dict(max_model_len=2048, enable_prefix_caching=False, backend=args.backend)
+    common = dict(max_model_len=2048, enable_prefix_caching=False, backend=args.backend, dtype=args.dtype)
     off = LLM(**common)
     spec = LLM(speculative_config=args.speculative_config, **common)
     tok = off.get_tokenizer()
@@ -128,12 +152,20 @@ def main() -> None:
         "code": (code_prompts(tok), code_params),
         "novel": (novel, sampled),
         "novel_greedy": (novel, greedy),
+        "rejected": (rejected_prompts(tok), SamplingParams(temperature=1.0, seed=0, max_tokens=64, ignore_eos=True)),
     }
+    chosen = args.workloads.split(",")
+    unknown = sorted(set(chosen) - set(workloads))
+    if unknown:
+        p.error(f"--workloads: unknown {unknown}; expected names from {sorted(workloads)}")
+    workloads = {name: workloads[name] for name in chosen}
     result: dict = {
         "benchmark": "spec_decode",
         "backend": type(off.engine.model.backend).__name__,
         "speculative_config": spec.engine.engine_config.speculative.to_dict(),
         "batch_size": 1,
+        "dtype": str(off.engine.model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
     }
