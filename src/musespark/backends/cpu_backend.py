@@ -278,7 +278,7 @@ class CpuBackend(TorchBackend):
         return self.ops.attn_in(s, *self._attn_in_args(layer), cos, sin, dtype == torch.bfloat16, self._prompt(s))
 
     def _attn_in_args(self, layer: DecoderLayer) -> tuple:
-        def build() -> tuple[tuple, tuple[str, ...]]:
+        def build() -> tuple:
             attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
             return (
                 norm.gain(),
@@ -290,7 +290,7 @@ class CpuBackend(TorchBackend):
                 attn.num_heads,
                 attn.num_kv_heads,
                 attn.qk_scale,
-            ), ("input_layernorm", "self_attn")
+            )
 
         return self.args.get("attn_in", layer, build)
 
@@ -348,12 +348,9 @@ class CpuBackend(TorchBackend):
         return self.ops.attn_out(s, o.contiguous(), g, *self._attn_out_args(layer), self._prompt(s))
 
     def _attn_out_args(self, layer: DecoderLayer) -> tuple:
-        def build() -> tuple[tuple, tuple[str, ...]]:
+        def build() -> tuple:
             attn, gate = layer.self_attn, layer.post_attention_residual_gate
-            return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps), (
-                "self_attn",
-                "post_attention_residual_gate",
-            )
+            return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps)
 
         return self.args.get("attn_out", layer, build)
 
@@ -375,7 +372,7 @@ class CpuBackend(TorchBackend):
         """`op`'s arguments between the stream and the bf16 flag: the pre-norm, the block's
         weights, the post-norm and the residual gate."""
 
-        def build() -> tuple[tuple, tuple[str, ...]]:
+        def build() -> tuple:
             mlp, pre, post, gate = (
                 layer.mlp,
                 layer.pre_feedforward_layernorm,
@@ -383,12 +380,6 @@ class CpuBackend(TorchBackend):
                 layer.post_feedforward_residual_gate,
             )
             w, tail = self.weights, (post.gain(), post.eps, *gate.coefficients_cached())
-            children = (
-                "pre_feedforward_layernorm",
-                "mlp",
-                "post_feedforward_layernorm",
-                "post_feedforward_residual_gate",
-            )
             if op == "ffn_dense":
                 return (
                     pre.gain(),
@@ -397,7 +388,7 @@ class CpuBackend(TorchBackend):
                     w.linear(mlp.up_proj),
                     w.linear(mlp.down_proj),
                     *tail,
-                ), children
+                )
             moe: SparseMoeBlock = mlp
             router, experts = moe.gate, moe.experts
             return (
@@ -414,7 +405,7 @@ class CpuBackend(TorchBackend):
                 experts.post_expert_norm.gain(),
                 w.linear(moe.post_expert_proj),
                 *tail,
-            ), children
+            )
 
         return self.args.get(op, layer, build)
 

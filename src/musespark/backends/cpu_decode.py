@@ -7,16 +7,11 @@ The plan holds, per layer, the argument tuples the step-by-step path passes to t
 layer's KV cache, and the embedding's and final norm's arguments. The native loop calls the
 functions behind those ops in the same order with the same arguments, so a step's output is
 the same bits either way (tests/test_cpu_decode_plan.py). What it saves: ~2 ms of Python and
-dispatch per batch-1 token on bench-small (benchmarks/RESULTS.md, session 14).
+dispatch per batch-1 token on bench-small when it landed (`git log -S DecodePlan`).
 
-It is rebuilt when what it was built from may have changed, checked each step without walking
-the model in Python (which, with the caches cold from a step's weights, costs ~0.4 ms):
-* a parameter, buffer or submodule was set anywhere in the process
-  (`cpu_args.count_structure_changes`, from torch's global registration hooks);
-* a tensor behind its arguments moved or was written in place (the native `stale`: each
-  one's address and write count; inference tensors keep no count and must not be written
-  in place, as for `StepArgs`);
-* the weight path (`WeightArgs.panels`), the step's dtype, KV caches or layer groups.
+A model's weights are frozen once its backend is chosen (`cpu_args.py`), so the plan is built
+at the first decode step and rebuilt only when the step's own inputs to it differ: the weight
+path (`WeightArgs.panels`), the step's dtype, the KV caches or the layer groups.
 """
 
 from __future__ import annotations
@@ -24,8 +19,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from .cpu_args import count_structure_changes
 
 if TYPE_CHECKING:
     from ..layers.attention import AttentionContext
@@ -76,19 +69,16 @@ class DecodePlan:
     def _current(self, model: MuseSparkForCausalLM, ctx: AttentionContext, dtype: torch.dtype) -> Any:
         caches = ctx.kv_caches
         assert caches is not None and ctx.layer_group is not None
-        key = (id(model), dtype, self.backend.weights.panels, tuple(ctx.layer_group), count_structure_changes())
+        key = (id(model), dtype, self.backend.weights.panels, tuple(ctx.layer_group))
         if (
             self._native is not None
             and key == self._key
             and len(caches) == len(self._caches)
             and all(a is b or (a[0] is b[0] and a[1] is b[1]) for a, b in zip(caches, self._caches))
-            and not self._native.stale()
         ):
             return self._native
-        self._native = None  # a failed build leaves no stale plan behind
+        self._native = None  # a failed build leaves no half-built plan behind
         native = self._build(model, ctx)
-        # The key after building: building may materialize derived buffers (a structure change).
-        key = (*key[:-1], count_structure_changes())
         self._native, self._key, self._caches = native, key, list(caches)
         self.builds += 1
         return native
@@ -97,7 +87,6 @@ class DecodePlan:
         backend, caches, layer_group = self.backend, ctx.kv_caches, ctx.layer_group
         assert caches is not None and layer_group is not None
         native = torch.classes.musespark_cpu.DecodePlan()
-        sources: dict[int, torch.Tensor] = {}
         bases: dict[float, int] = {}
         self._rope_layers = []
         for i, layer in enumerate(model.layers):
@@ -115,17 +104,9 @@ class DecodePlan:
             native.set_attention(i, k_cache, v_cache, layer_group[attn.layer], attn.window or 0, attn.scale)
             native.set_attn_out(i, *backend._attn_out_args(layer))
             getattr(native, "set_" + ffn)(i, *backend._ffn_args(ffn, layer))
-            for op in ("attn_in", "attn_out", ffn):  # the tensors the argument caches' fingerprints hold
-                sources.update(
-                    (id(obj), obj) for _, _, obj, ptr, _ in backend.args.checks(op, layer) if ptr is not None
-                )
         embedding, norm = model.embed_tokens.weight, model.norm
         self._embeds = embedding.dtype == torch.bfloat16  # CpuBackend.embed's native case
         if self._embeds:
             native.set_embedding(embedding, model.config.rms_norm_eps)
-            sources[id(embedding)] = embedding
-        gain = norm.gain()
-        native.set_final_norm(gain, norm.eps)
-        sources.update((id(t), t) for t in (norm.weight, gain))
-        native.watch(list(sources.values()))
+        native.set_final_norm(norm.gain(), norm.eps)
         return native

@@ -158,7 +158,9 @@ class MuseSparkForCausalLM(nn.Module):
     """The text decoder. `forward` takes a flat batch and returns final hidden states.
 
     `backend` computes every step (default: the torch reference; `load_model` chooses one,
-    and it may be replaced at any time: `model.backend = select_backend("torch", model)`).
+    and it may be replaced at any time: `model.backend = select_backend("torch", model)`). Weights are
+    frozen once a backend is chosen: after changing them, call `materialize_constants()` and choose
+    the backend again (a backend may keep what it derived from them, e.g. packed copies).
     `formats` gives each linear and the experts their weight format (default: dense).
     """
 
