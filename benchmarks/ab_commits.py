@@ -1,7 +1,9 @@
 """musespark against musespark: two source trees side by side in one run (A B A B ...).
 
-    python benchmarks/ab_commits.py --old /tmp/old/src            # this checkout (B) vs another tree (A)
-    python benchmarks/ab_commits.py --old /tmp/old/src --preset bench-small --pairs 3 --cases b1,b8
+    python benchmarks/ab_commits.py --old OLD/src                 # this checkout (B) vs another tree (A)
+    python benchmarks/ab_commits.py --old OLD/src --preset bench-small --pairs 3 --cases b1,b8
+
+OLD is another checkout of the repository, e.g. made by `git worktree add OLD <commit>`.
 
 Each run is a fresh subprocess that imports musespark from the given `src` directory, loads
 the preset's random-weight checkpoint (made once and cached, `musespark.bench.presets`) in

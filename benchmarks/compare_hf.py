@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         path = make_checkpoint(preset, dtype, args.cache_dir)
         # max_num_seqs >= 64: ModelRunner caps the block count at max_num_seqs * max_model_len's blocks,
-        # which is below one sequence's need when a sliding window exceeds max_model_len (engine issue).
+        # which is below one sequence's need when a sliding window exceeds max_model_len (a limit of the engine).
         ms = Musespark(path, dtype, max_len, args.kv_cache_memory, max(64, *(c.batch for c in cases)))
         hf = Transformers(path, dtype)
         experts_impl = hf.experts_implementation

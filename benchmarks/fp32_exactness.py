@@ -2,7 +2,7 @@
 
     python benchmarks/fp32_exactness.py            # the five oracle configs x 2 seeds, ~1 min
 
-The rule (the CPU-speed issue): an fp32 kernel is acceptable when, over the oracle-parity
+The rule (docs/exactness.md, rule 4): an fp32 kernel is acceptable when, over the oracle-parity
 configurations, the largest relative logit error of our fp32 model against a float64
 evaluation of the same model is no larger than that of the PyTorch/MKL fp32 path.
 

@@ -26,8 +26,8 @@ backend, the torch backend and transformers, against the HBM roofline.
 3. Timing, bf16: a 2048-token prefill (time to the first token's logits) and --decode-steps
    batch-1 greedy decode steps after it. musespark is driven by this script's own paged-cache
    loop (one KV block table, block size 16, the model's `forward` + `compute_logits`), NOT by
-   the engine: the engine's runner and KV cache are another issue's work and may still assume
-   the CPU. transformers==5.23.0 (if importable) runs `generate` (greedy, KV cache, its
+   the engine: the engine's runner and KV cache have not been run on a GPU and may still
+   assume the CPU. transformers==5.23.0 (if importable) runs `generate` (greedy, KV cache, its
    default experts implementation) from the same checkpoint: prefill = a 1-token generate,
    decode = (N+1-token generate - prefill) / N. Each figure is the median of --repeats.
 4. Roofline: device copy bandwidth measured here (best of 10 copies of a 2 GiB buffer,

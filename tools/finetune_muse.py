@@ -1,4 +1,4 @@
-"""Teach the bundled tiny model the Muse chat protocol (MUSE_CHAT.md §1-§3) and export it.
+"""Teach the bundled tiny model the Muse chat protocol (docs/muse_chat.md §1-§3) and export it.
 
     .venv/bin/python tools/finetune_muse.py --steps 900 --time-limit 45      # convert + fine-tune (+ export)
     .venv/bin/python tools/finetune_muse.py --steps 1200 --resume --no-export # continue a run
@@ -618,7 +618,7 @@ A tiny Muse Spark 1x text decoder, bundled with `musespark` as its default/demo 
 pre-trained from scratch on the Python standard library (`tools/train_tiny.py`) and then
 fine-tuned (`tools/finetune_muse.py`) to speak the Muse chat protocol: reasoning to `self`,
 answers to `user`, tool calls in ATEM to a tool recipient, turns ended by `<|eot|>`
-(MUSE_CHAT.md §1-§3). It exercises every feature of the architecture (dense + sparse MoE
+(docs/muse_chat.md §1-§3). It exercises every feature of the architecture (dense + sparse MoE
 layers, GQA, QK-norm, output gate, sliding + full attention, RoPE + NoPE layers, residual
 gates, soft-capped logits, router bias). It is a protocol demo, not a useful assistant: it
 knows three synthetic tools and a few canned answers, and it writes Python-looking text.
@@ -656,7 +656,7 @@ Special tokens: `<|begin_of_text|>`, `<|end_of_text|>`, `<|start_header_id|>`, `
 a stop token. No BOS is added automatically: the chat template writes `<|begin_of_text|>`; for raw
 completion prepend it yourself.
 
-`chat_template.jinja` renders MUSE_CHAT §2.1-2.2: a system block (default or the client's) with
+`chat_template.jinja` renders docs/muse_chat.md §2.1-2.2: a system block (default or the client's) with
 `Reasoning strength: X.` (kwarg `reasoning_strength`, default `high`), the tool definitions and
 `# Valid recipients`, then `<|start|>ROLE<|message|>...<|eot|>` messages, and the generation prompt
 `<|start|>assistant`. The model then writes e.g.

@@ -1,4 +1,4 @@
-"""Seeded synthetic conversations in the Muse chat wire format (MUSE_CHAT.md §1-§3), for
+"""Seeded synthetic conversations in the Muse chat wire format (docs/muse_chat.md §1-§3), for
 fine-tuning the bundled tiny model (`tools/finetune_muse.py`).
 
 A `Conversation` is what a client sends (OpenAI-style `messages` + `tools`, and the chat
@@ -353,7 +353,7 @@ class Conversation:
 
 
 def atem(name: str, arguments: dict[str, Any]) -> str:
-    """MUSE_CHAT §2.1 ATEM rendering (string values only here)."""
+    """docs/muse_chat.md §2.1 ATEM rendering (string values only here)."""
     params = "".join(f'<atem:parameter name="{k}">{v}</atem:parameter>\n' for k, v in arguments.items())
     return f'<atem:function_calls>\n<atem:invoke name="{name}">\n{params}</atem:invoke>\n</atem:function_calls>'
 

@@ -1,4 +1,4 @@
-"""Distil a DSpark draft (DSPARK.md) from the bundled musespark-tiny and ship it beside it.
+"""Distil a DSpark draft (`docs/speculative.md`) from the bundled musespark-tiny and ship it beside it.
 
     nice -n 19 .venv/bin/python tools/train_dspark.py data             # target greedy continuations + aux
     nice -n 19 .venv/bin/python tools/train_dspark.py train [--resume]   # defaults = the shipped draft's
@@ -464,7 +464,7 @@ same acceptance buys more. The engine-level benchmark is the engine's (speculati
 """
     return f"""# musespark-tiny-dspark
 
-A DSpark draft (DSPARK.md) for the bundled `musespark-tiny`, distilled from it on CPU by
+A DSpark draft (`docs/speculative.md`) for the bundled `musespark-tiny`, distilled from it on CPU by
 `tools/train_dspark.py`. Config family `muse_spark_dspark`; load it through the engine's speculative
 config (method `dspark`, this directory as the draft model) or `DSparkProposer.load(path, target, 7)`.
 

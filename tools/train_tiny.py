@@ -514,7 +514,7 @@ Loads with `musespark.load_model("src/musespark/models/musespark-tiny")` and wit
 ## Corpus
 
 The `*.py` files of the CPython {meta["python_version"]} standard library
-(`{meta["stdlib"]}`), excluding `site-packages` and test directories
+(the directory `sysconfig.get_paths()["stdlib"]` names), excluding `site-packages` and test directories
 ({", ".join(sorted(tc.TEST_DIRS))}); {meta["skipped_non_utf8"]} non-UTF-8 files skipped.
 A deterministic ~{tc.VALIDATION_PERCENT}% of files is held out for validation
 (sha256 of the path relative to the stdlib root, mod 100 < {tc.VALIDATION_PERCENT}).
