@@ -5,7 +5,11 @@ refused, see musespark.server.vllm_flags). Every flag is checked before weights 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
+from dataclasses import dataclass
+from typing import Any
 
 from .engine.args import EngineArgs
 
@@ -171,46 +175,51 @@ def vllm_model_flags(args: argparse.Namespace) -> None:
             )
 
 
-def run(args: argparse.Namespace) -> int:
-    import logging
+@dataclass(frozen=True)
+class ServeSettings:
+    """What `serve` runs with, resolved from its command line before any weights load.
+    `server.model_name` is "" when neither --served-model-name nor MODEL names the model
+    (then the checkpoint directory's name is used)."""
 
-    from .engine.chat import compile_template, load_chat_template, parse_reasoning_effort_map, parse_template_kwargs
-    from .engine.llm_engine import LLMEngine
-    from .server.api import ServerConfig, serve
-    from .server.chat_output import check_parsers
+    engine_args: EngineArgs
+    server: Any  # server.api.ServerConfig (imported lazily: the parser stays light)
+    host: str
+    port: int
+    log_level: str
+    generation_overrides: dict[str, Any]  # --override-generation-config, as SamplingParams fields
+
+
+def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
+    """Check every flag (a refused vLLM flag or a bad value raises ValueError naming it; each
+    ignored vLLM flag logs one warning) and resolve the settings; reads no weights."""
+    from .engine.chat import load_chat_template, parse_reasoning_effort_map, parse_template_kwargs
+    from .server.api import ServerConfig
     from .server.protocol import MAX_LOGPROBS
     from .server.vllm_flags import check_vllm_compat, parse_override_generation_config
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("musespark.server")
-    # Check every flag before loading weights (ServerConfig checks its own again).
     check_vllm_compat(args, log)
     vllm_model_flags(args)
     api_keys = tuple(args.api_key) if args.api_key else tuple(filter(None, [os.environ.get("MUSESPARK_API_KEY")]))
-    template = load_chat_template(args.chat_template)
-    default_kwargs = parse_template_kwargs(args.default_chat_template_kwargs, "--default-chat-template-kwargs")
-    effort_map = parse_reasoning_effort_map(args.reasoning_effort_map)
-    if template is not None:
-        compile_template(template)
-    check_parsers(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
-    origins = allowed_origins(args.allowed_origins)
     overrides = parse_override_generation_config(args.override_generation_config, log)
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         log.warning(f"--max-logprobs {args.max_logprobs}: requests are still limited to {MAX_LOGPROBS} logprobs")
     names = tuple(args.served_model_name or ())
-    config_kwargs = dict(
+    server = ServerConfig(  # checks its own values (the template compiles, the parsers exist, ...)
+        model_name=names[0] if names else (args.model or ""),
         api_keys=api_keys,
         max_request_body_bytes=args.max_request_body_bytes,
         log_requests=args.log_requests,
         graceful_shutdown_s=args.shutdown_timeout,
-        chat_template=template,
-        default_chat_template_kwargs=default_kwargs,
-        reasoning_effort_map=effort_map,
+        chat_template=load_chat_template(args.chat_template),
+        default_chat_template_kwargs=parse_template_kwargs(
+            args.default_chat_template_kwargs, "--default-chat-template-kwargs"
+        ),
+        reasoning_effort_map=parse_reasoning_effort_map(args.reasoning_effort_map),
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         header_timeout_s=args.header_timeout,
-        allowed_origins=origins,
+        allowed_origins=allowed_origins(args.allowed_origins),
         forwarded_allow_ips=args.forwarded_allow_ips,
         max_logprobs=args.max_logprobs,
         fastapi_docs=not args.disable_fastapi_docs,
@@ -218,18 +227,29 @@ def run(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
     )
-    ServerConfig(model_name=names[0] if names else "model", **config_kwargs)  # refuse bad values before loading
-    engine = LLMEngine(EngineArgs.from_cli_args(args).create_engine_config())
-    if template is not None and engine.tokenizer is None:
-        raise ValueError("--chat-template needs a model with a tokenizer")
-    if overrides:
-        engine.input_processor.generation_defaults.update(overrides)
-        engine.input_processor.default_sampling_params()  # a bad value fails now, not per request
-    name = names[0] if names else args.model or engine.model_path.name
-    return serve(
-        engine,
-        ServerConfig(model_name=name, **config_kwargs),
+    return ServeSettings(
+        engine_args=EngineArgs.from_cli_args(args),
+        server=server,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
+        generation_overrides=overrides,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from .engine.llm_engine import LLMEngine
+    from .server.api import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = resolve(args, logging.getLogger("musespark.server"))
+    engine = LLMEngine(settings.engine_args.create_engine_config())
+    server = settings.server
+    if server.chat_template is not None and engine.tokenizer is None:
+        raise ValueError("--chat-template needs a model with a tokenizer")
+    if settings.generation_overrides:
+        engine.input_processor.generation_defaults.update(settings.generation_overrides)
+        engine.input_processor.default_sampling_params()  # a bad value fails now, not per request
+    if not server.model_name:
+        server = dataclasses.replace(server, model_name=engine.model_path.name)
+    return serve(engine, server, host=settings.host, port=settings.port, log_level=settings.log_level)
