@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from .engine.args import EngineArgs
 
@@ -84,7 +85,7 @@ class ChatPrinter:
             print(("\n" if self.section else "") + f"[{section}] ", end="", flush=True)
             self.section = section
 
-    def show(self, delta) -> None:
+    def show(self, delta: Any) -> None:  # a parsers.ParsedDelta
         if delta.reasoning:
             self._label("reasoning")
             print(delta.reasoning, end="", flush=True)
