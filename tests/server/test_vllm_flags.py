@@ -97,7 +97,7 @@ def test_vllm_value_syntax_and_aliases():
     [
         ("--kv-cache-dtype fp8", "fp8 KV cache is not implemented; use --kv-cache-dtype auto"),
         ("--kv-cache-dtype fp8_e4m3", "fp8 KV cache is not implemented"),
-        ("-dp 2", "--data-parallel-size 2: data parallelism is not implemented (tensor, pipeline"),
+        ("-dp 2", "--data-parallel-size: data parallelism is not implemented (got 2; tensor, pipeline"),
         ("--decode-context-parallel-size 2", "context parallelism is not implemented"),
         ("--distributed-executor-backend ray", "only mp (local workers) and external_launcher"),
         ("--enable-lora", "LoRA"),

@@ -152,22 +152,19 @@ def _check_parallel(flag: VllmFlag, value: Any) -> str | None:
     try:
         size = int(value)
     except ValueError:
-        return f"refused: {flag.name} takes an integer, got {value!r}"
+        return f"refused: takes an integer, got {value!r}"
     if size == 1:
         return None
     return (
-        f"refused: {flag.name} {size}: {kind} parallelism is not implemented (tensor, pipeline and "
-        "expert parallelism are: -tp, -pp, -ep)"
+        f"refused: {kind} parallelism is not implemented (got {size}; tensor, pipeline and expert "
+        "parallelism are: -tp, -pp, -ep)"
     )
 
 
 def _check_executor_backend(flag: VllmFlag, value: Any) -> str | None:
     if value in ("mp", "external_launcher"):
         return None  # spawned workers; or ranks a launcher started (detected from its environment)
-    return (
-        f"refused: --distributed-executor-backend {value}: only mp (local workers) and external_launcher "
-        "(torchrun) are implemented"
-    )
+    return f"refused: only mp (local workers) and external_launcher (torchrun) are implemented, got {value!r}"
 
 
 def _check_kv_cache_dtype(flag: VllmFlag, value: Any) -> str | None:
