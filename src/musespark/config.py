@@ -8,9 +8,11 @@ Only the text decoder's fields matter; vision and audio sub-configs are ignored.
 
 `EngineConfig` is what an engine is built from: `ModelSettings` (which checkpoint, dtype,
 backend, seed), `CacheConfig`, `SchedulerConfig` and `ParallelConfig`. Every value in it is
-resolved (no "auto" left but `dtype`/`backend`, which the loader resolves); its defaults
-and CLI flags live in one place, `engine/args.py` (`EngineArgs`). Each section checks its
-own fields and raises `InvalidArgumentError` naming the field.
+resolved (no "auto" left but `dtype`/`backend`, which the loader resolves). These sections
+have no defaults: every field is required, and `EngineArgs` (engine/args.py) is the one
+place engine defaults and CLI flags live (`EngineArgs(...).create_engine_config()` builds a
+whole tree). Each section checks its own fields and raises `InvalidArgumentError` naming
+the field.
 """
 
 from __future__ import annotations
@@ -176,10 +178,6 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ derived
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def is_sliding(self, layer: int) -> bool:
         return self.layer_types[layer] == "sliding_attention"
 
@@ -292,13 +290,13 @@ def _positive_int(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: `kv_cache_memory` bytes (or `kv_cache_fraction` of available RAM
-    when not given), in blocks of `block_size` tokens."""
+    """The paged KV cache: `kv_cache_memory` bytes (None: `kv_cache_fraction` of available
+    RAM), in blocks of `block_size` tokens."""
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    kv_cache_fraction: float = 0.2
-    enable_prefix_caching: bool = True
+    block_size: int
+    kv_cache_memory: int | None
+    kv_cache_fraction: float
+    enable_prefix_caching: bool
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -329,11 +327,12 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits: at most `max_num_seqs` sequences and
-    `max_num_batched_tokens` tokens per step; no sequence longer than `max_model_len`."""
+    `max_num_batched_tokens` tokens per step; no sequence longer than `max_model_len`.
+    (The defaults users get, derived ones included, are EngineArgs'.)"""
 
-    max_model_len: int = 4096
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -342,12 +341,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split over devices. One process, one device for now; the
-    distributed work fills these in (the engine refuses anything else until then)."""
+    """How the model is split over processes: `tensor_parallel_size` x `pipeline_parallel_size`
+    ranks (musespark.parallel); with `enable_expert_parallel` the TP group shards the experts
+    by expert instead of by width."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    enable_expert_parallel: bool = False
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    enable_expert_parallel: bool
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
@@ -370,16 +370,16 @@ BACKENDS: tuple[str, ...] = get_args(BackendName)
 @dataclass(frozen=True)
 class ModelSettings:
     """Which checkpoint and how to run it. `dtype` is "auto" (the checkpoint's), a dtype
-    name or a torch.dtype; `backend` is "auto" | "torch" | "cpu" (chosen once, at load);
-    `seed` seeds the engine's generator for requests without their own seed (None: a
-    non-reproducible seed)."""
+    name or a torch.dtype; `backend` is one of BACKENDS (chosen once, at load); `seed` seeds
+    the engine's generator for requests without their own seed (None: a non-reproducible
+    seed)."""
 
     path: Path
-    dtype: Any = "auto"  # str | torch.dtype; resolved by the checkpoint loader
-    backend: BackendName = "auto"
-    seed: int | None = 0
-    generation_config: str = "auto"  # "auto" | "vllm" | a directory (vLLM's --generation-config)
-    nvfp4_mode: str = "weight-only"  # NVFP4 checkpoints: "weight-only" | "w4a4"
+    dtype: Any  # str | torch.dtype; resolved by the checkpoint loader
+    backend: BackendName
+    seed: int | None
+    generation_config: str  # "auto" | "vllm" | a directory (vLLM's --generation-config)
+    nvfp4_mode: str  # NVFP4 checkpoints: "weight-only" | "w4a4"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -405,7 +405,7 @@ class EngineConfig:
     """Everything an engine is built from (see `engine/args.py` for defaults and flags)."""
 
     model: ModelSettings
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    speculative: Any = None  # engine.spec_decode.config.SpeculativeConfig, or None: no speculative decoding
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: Any  # engine.spec_decode.config.SpeculativeConfig, or None: no speculative decoding

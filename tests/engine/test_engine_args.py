@@ -10,7 +10,7 @@ from test_engine import CFG
 
 from musespark import LLM, SamplingParams
 from musespark.cli import build_parser
-from musespark.config import EngineConfig, ModelSettings, ParallelConfig, SchedulerConfig
+from musespark.config import CacheConfig, EngineConfig, ModelSettings, ParallelConfig, SchedulerConfig
 from musespark.engine.args import EngineArgs, bundled_model_path
 from musespark.engine.llm_engine import LLMEngine
 from musespark.errors import InvalidArgumentError
@@ -57,9 +57,18 @@ def test_command_defaults_are_kept():
 
 def test_create_engine_config_resolves_the_derived_defaults():
     config = EngineArgs().create_engine_config()
-    assert config.model == ModelSettings(path=bundled_model_path(), dtype="auto", backend="auto", seed=0)
+    assert config.model == ModelSettings(
+        path=bundled_model_path(),
+        dtype="auto",
+        backend="auto",
+        seed=0,
+        generation_config="auto",
+        nvfp4_mode="weight-only",
+    )
     assert config.scheduler.max_model_len == 4096 and config.scheduler.max_num_batched_tokens == 4096
-    assert config.parallel == ParallelConfig()
+    assert config.parallel == ParallelConfig(
+        tensor_parallel_size=1, pipeline_parallel_size=1, enable_expert_parallel=False
+    )
     short = EngineArgs(max_model_len=512).create_engine_config().scheduler
     assert short.max_num_batched_tokens == 2048
     with pytest.raises(InvalidArgumentError) as err:
@@ -71,7 +80,7 @@ def test_create_engine_config_resolves_the_derived_defaults():
 
 
 def test_loose_arguments_may_not_contradict_a_config():
-    config = EngineConfig(model=ModelSettings(path=bundled_model_path()), scheduler=SchedulerConfig(max_model_len=128))
+    config = EngineArgs(max_model_len=128).create_engine_config()
     with pytest.raises(InvalidArgumentError, match=r"config\.scheduler\.max_model_len=128.*max_model_len=256") as err:
         LLMEngine(config, max_model_len=256)
     assert err.value.param == "max_model_len"
@@ -82,11 +91,7 @@ def test_loose_arguments_may_not_contradict_a_config():
     with pytest.raises(ValueError, match="bogus"):
         LLMEngine(bogus=1)
     with pytest.raises(InvalidArgumentError, match="tensor_parallel_size > 1") as err:
-        LLMEngine(
-            EngineConfig(
-                model=ModelSettings(path=bundled_model_path()), parallel=ParallelConfig(enable_expert_parallel=True)
-            )
-        )
+        LLMEngine(EngineArgs(enable_expert_parallel=True).create_engine_config())
     assert err.value.param == "enable_expert_parallel"
 
 
@@ -130,3 +135,37 @@ def test_unseeded_sampling_uses_the_engine_seed_not_the_global_rng(checkpoint):
     with pytest.raises(InvalidArgumentError, match="unknown argument") as err:
         LLM(model=checkpoint, gpu_memory_utilisation=0.5)
     assert err.value.param == "gpu_memory_utilisation"
+
+
+def test_engine_defaults_live_in_engine_args_only():
+    """The config sections have no defaults, and LLM takes EngineArgs' fields as they are."""
+    import dataclasses
+    import inspect
+
+    for section in (EngineConfig, ModelSettings, CacheConfig, SchedulerConfig, ParallelConfig):
+        defaulted = [
+            f.name
+            for f in dataclasses.fields(section)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        ]
+        assert not defaulted, f"{section.__name__} has its own defaults for {defaulted}"
+    params = inspect.signature(LLM.__init__).parameters
+    engine_fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    assert not engine_fields & set(params), "LLM restates EngineArgs fields with their own defaults"
+    assert params["model"].default is None and params["engine_args"].kind is inspect.Parameter.VAR_KEYWORD
+    with pytest.raises(InvalidArgumentError, match=r"unknown argument\(s\) \['bogus', 'max_seqs'\]") as err:
+        LLM(max_seqs=8, bogus=1)
+    assert err.value.param == "bogus"
+
+
+def test_llm_passes_its_keywords_to_engine_args():
+    llm = LLM(max_model_len=96, max_num_seqs=3, block_size=8, kv_cache_fraction=0.05)
+    config = llm.engine.engine_config
+    assert (
+        config
+        == EngineArgs(max_model_len=96, max_num_seqs=3, block_size=8, kv_cache_fraction=0.05).create_engine_config()
+    )
+    assert (
+        config.scheduler.max_num_batched_tokens
+        == EngineArgs(max_model_len=96).create_engine_config().scheduler.max_num_batched_tokens
+    )

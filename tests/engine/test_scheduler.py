@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import pytest
 
 from musespark.config import CacheConfig, SchedulerConfig
+from musespark.engine.args import EngineArgs
 from musespark.engine.block_manager import NULL_BLOCK, KVCacheManager
 from musespark.engine.request import Request, RequestStatus
 from musespark.engine.scheduler import ScheduledBatch, Scheduler
@@ -44,7 +45,12 @@ def make_scheduler(
     config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
     )
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    cache = CacheConfig(
+        block_size=block_size,
+        kv_cache_memory=None,
+        kv_cache_fraction=EngineArgs.kv_cache_fraction,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     if "num_blocks" in inspect.signature(Scheduler).parameters:  # the scheduler owns its manager
         sched = Scheduler(config, cache, num_blocks, list(group_windows))
         kv = sched.kv_cache_manager

@@ -14,9 +14,10 @@ import pytest
 from starlette.testclient import TestClient
 
 from musespark import LLM, SamplingParams
-from musespark.cli import build_parser, load_chat_template
-from musespark.engine import chat
+from musespark.cli import build_parser
+from musespark.engine import chat, chat_jinja
 from musespark.engine.args import bundled_model_path
+from musespark.engine.chat import load_chat_template
 from musespark.engine.tokenizer import Tokenizer
 from musespark.errors import InvalidArgumentError
 from musespark.server.api import ServerConfig, build_app
@@ -163,7 +164,7 @@ def test_muse_example_b_tools_and_date(muse_tok, monkeypatch):
         def now(cls, tz=None):
             return datetime(2026, 9, 30, 12, 0)
 
-    monkeypatch.setattr(chat, "datetime", Fixed)  # strftime_now('%Y-%m-%d') when no current_date is given
+    monkeypatch.setattr(chat_jinja, "datetime", Fixed)  # strftime_now('%Y-%m-%d') when no current_date is given
     assert muse_tok.apply_chat_template([{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS) == EXAMPLE_B
 
 

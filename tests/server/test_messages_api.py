@@ -17,8 +17,8 @@ from test_server_parsers import TOOLS, ReplayEngine
 from musespark.server import messages
 from musespark.server.api import Preparation
 from musespark.server.messages import MessagesRequest, chat_tool_choice, chat_tools, to_chat_messages, to_chat_request
-from musespark.server.responses import Block
 from musespark.server.serving import APIError, ChatSettings, Serving
+from musespark.server.turn_blocks import Block
 
 API_KEY = "test-key"
 MODEL = "musespark-tiny"

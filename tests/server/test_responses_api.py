@@ -17,10 +17,10 @@ from test_server import ServerProcess
 from test_server_parsers import TOOLS, ReplayEngine
 
 from musespark.server import responses
-from musespark.server.api import Preparation, _add_error_handlers
-from musespark.server.responses import (
+from musespark.server.api import Preparation, add_error_handlers
+from musespark.server.responses import ResponseStore
+from musespark.server.responses_items import (
     ResponsesRequest,
-    ResponseStore,
     chat_tool_choice,
     chat_tools,
     items_to_messages,
@@ -187,7 +187,7 @@ def replay_client():
         ChatSettings(chat_template=MUSE_TEMPLATE.read_text(), reasoning_parser="muse", tool_call_parser="muse"),
     )
     app = FastAPI()
-    _add_error_handlers(app)
+    add_error_handlers(app)
     responses.add_routes(app, serving, Preparation())
     with TestClient(app) as tc:
         yield openai.OpenAI(base_url=f"{tc.base_url}/v1", api_key="x", http_client=tc, max_retries=0), replay, tc

@@ -95,10 +95,10 @@ def test_vllm_value_syntax_and_aliases():
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("--kv-cache-dtype fp8", "fp8 KV cache is not implemented yet; use --kv-cache-dtype auto"),
-        ("--kv-cache-dtype fp8_e4m3", "fp8 KV cache is not implemented yet"),
-        ("-dp 2", "issue 14"),
-        ("--decode-context-parallel-size 2", "issue 14"),
+        ("--kv-cache-dtype fp8", "fp8 KV cache is not implemented; use --kv-cache-dtype auto"),
+        ("--kv-cache-dtype fp8_e4m3", "fp8 KV cache is not implemented"),
+        ("-dp 2", "--data-parallel-size: data parallelism is not implemented (got 2; tensor, pipeline"),
+        ("--decode-context-parallel-size 2", "context parallelism is not implemented"),
         ("--distributed-executor-backend ray", "only mp (local workers) and external_launcher"),
         ("--enable-lora", "LoRA"),
         ("--middleware m.M", "middleware"),

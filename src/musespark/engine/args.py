@@ -8,10 +8,11 @@ Invariants:
 * A field's default here is the only default: `LLM(...)`, `musespark generate`, `serve` and
   `bench` all take theirs from this table (a command may change a default, e.g. bench turns
   prefix caching off; `add_cli_args(defaults=...)` says so where the command is built).
-* `None` means "derive it": `model` -> the bundled model, `max_model_len` -> the
-  checkpoint's limit capped at 4096, `max_num_batched_tokens` -> max(2048, min(len, 8192)).
-  `create_engine_config` resolves them, so an `EngineConfig` holds no `None` but the
-  optional ones (`kv_cache_memory`, `seed`).
+* `None` means "derive it": `model` -> the bundled model, `max_model_len` ->
+  `default_max_model_len`, `max_num_batched_tokens` -> `default_max_num_batched_tokens`
+  (the one statement of those rules). `create_engine_config` resolves them, so an
+  `EngineConfig` holds no `None` but the optional ones (`kv_cache_memory`, `seed`,
+  `speculative`); the config sections (musespark.config) have no defaults of their own.
 * The bundled model is package data (`musespark/models/musespark-tiny`, in the wheel too);
   `$MUSESPARK_MODEL` overrides it.
 """
@@ -55,6 +56,24 @@ def default_model_path() -> Path:
     return path
 
 
+# The derived defaults' bounds (see default_max_model_len, default_max_num_batched_tokens).
+MAX_MODEL_LEN_CAP = 4096
+BATCHED_TOKENS_FLOOR = 2048
+BATCHED_TOKENS_CAP = 8192
+
+
+def default_max_model_len(checkpoint_limit: int) -> int:
+    """`max_model_len` when not given: the checkpoint's `max_position_embeddings`, at most
+    MAX_MODEL_LEN_CAP."""
+    return min(checkpoint_limit, MAX_MODEL_LEN_CAP)
+
+
+def default_max_num_batched_tokens(max_model_len: int) -> int:
+    """`max_num_batched_tokens` when not given: `max_model_len` (a whole prompt in one step)
+    clamped to [BATCHED_TOKENS_FLOOR, BATCHED_TOKENS_CAP]."""
+    return max(BATCHED_TOKENS_FLOOR, min(max_model_len, BATCHED_TOKENS_CAP))
+
+
 def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
     return {"help": help, **argparse_kwargs}
 
@@ -74,7 +93,9 @@ class EngineArgs:
         default="auto",
         metadata={
             "cli": _flag(
-                "compute backend: torch (reference), cpu (native kernels), auto (the best available)", choices=BACKENDS
+                "compute backend: torch (reference), cpu (native kernels), triton (experimental: Triton GPU "
+                "kernels, never run on a GPU so far), auto (the best available)",
+                choices=BACKENDS,
             )
         },
     )
@@ -82,14 +103,21 @@ class EngineArgs:
         default=None,
         metadata={
             "cli": _flag(
-                "longest sequence, prompt plus output (default: the checkpoint's limit, at most 4096)", type=int
+                f"longest sequence, prompt plus output (default: the checkpoint's limit, at most {MAX_MODEL_LEN_CAP})",
+                type=int,
             )
         },
     )
     max_num_seqs: int = field(default=64, metadata={"cli": _flag("most sequences in one step", type=int)})
     max_num_batched_tokens: int | None = field(
         default=None,
-        metadata={"cli": _flag("most tokens in one step (default: max(2048, min(max_model_len, 8192)))", type=int)},
+        metadata={
+            "cli": _flag(
+                f"most tokens in one step (default: max_model_len, clamped to [{BATCHED_TOKENS_FLOOR}, "
+                f"{BATCHED_TOKENS_CAP}])",
+                type=int,
+            )
+        },
     )
     block_size: int = field(default=16, metadata={"cli": _flag("tokens per KV cache block", type=int)})
     kv_cache_memory: int | None = field(
@@ -122,7 +150,7 @@ class EngineArgs:
     )
     pipeline_parallel_size: int = field(
         default=1,
-        metadata={"cli": _flag("pipeline stages (the sharded model runs them; the engine does not yet)", type=int)},
+        metadata={"cli": _flag("pipeline stages: each a rank holding a contiguous block of layers", type=int)},
     )
     nvfp4_mode: str = field(
         default="weight-only",
@@ -193,10 +221,10 @@ class EngineArgs:
         checkpoint = load_config(path)
         max_len = self.max_model_len
         if max_len is None:
-            max_len = min(checkpoint.max_position_embeddings, 4096)
+            max_len = default_max_model_len(checkpoint.max_position_embeddings)
         batched = self.max_num_batched_tokens
         if batched is None and isinstance(max_len, int):
-            batched = max(2048, min(max_len, 8192))
+            batched = default_max_num_batched_tokens(max_len)
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None and self.pipeline_parallel_size != 1:
             raise InvalidArgumentError(

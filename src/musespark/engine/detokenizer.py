@@ -91,11 +91,6 @@ class IncrementalDetokenizer:
             self._parts = ["".join(self._parts)]
         return self._parts[0] if self._parts else ""
 
-    @property
-    def emitted_text_len(self) -> int:
-        """Characters of `output_text` returned as deltas so far."""
-        return self._emitted_len
-
     # --- internals ----------------------------------------------------------------------
 
     def _decode_new(self, force: bool) -> str:

@@ -12,12 +12,11 @@ input processor, as in the CLI and the server.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ..errors import InvalidArgumentError
 from ..sampling_params import SamplingParams
@@ -30,49 +29,18 @@ Prompt = str | dict[str, Any] | ProcessedPrompt
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        dtype: str | torch.dtype = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int | None = 0,
-        block_size: int = 16,
-        kv_cache_fraction: float = 0.2,
-        backend: str = "auto",
-        generation_config: str = "auto",
-        tensor_parallel_size: int = 1,
-        enable_expert_parallel: bool = False,
-        pipeline_parallel_size: int = 1,
-        nvfp4_mode: str = "weight-only",
-        speculative_config: dict[str, Any] | str | None = None,
-        show_progress: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        if kwargs:
-            raise InvalidArgumentError(f"LLM() got unknown argument(s): {sorted(kwargs)}", param=sorted(kwargs)[0])
-        args = EngineArgs(
-            model=model,
-            dtype=dtype,
-            backend=backend,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            kv_cache_fraction=kv_cache_fraction,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            generation_config=generation_config,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_expert_parallel=enable_expert_parallel,
-            pipeline_parallel_size=pipeline_parallel_size,
-            nvfp4_mode=nvfp4_mode,
-            speculative_config=speculative_config,
-        )
+    def __init__(self, model: str | Path | None = None, *, show_progress: bool = False, **engine_args: Any) -> None:
+        """`model` and `engine_args` are `EngineArgs` fields (engine/args.py: each one's meaning
+        and its default, the only one); an unknown keyword is an `InvalidArgumentError` (a
+        ValueError) naming it. `show_progress` draws a bar while the weights load."""
+        fields = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(engine_args) - fields)
+        if unknown:
+            raise InvalidArgumentError(
+                f"LLM() got unknown argument(s) {unknown}; engine arguments are EngineArgs' fields: {sorted(fields)}",
+                param=unknown[0],
+            )
+        args = EngineArgs(model=model, **engine_args)
         config = args.create_engine_config()  # every argument checked before the progress bar appears
         progress = _progress_bar("Loading weights") if show_progress else None
         self.engine = LLMEngine(config, progress=progress)

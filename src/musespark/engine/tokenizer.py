@@ -218,13 +218,6 @@ class Tokenizer:
 
     # --- chat ---------------------------------------------------------------------------
 
-    def set_chat_template(self, template: str | None) -> None:
-        """Replace the checkpoint's chat template (before serving; not thread-safe).
-        Raises ValueError if it does not compile."""
-        if template is not None:
-            chat.compile_template(template)
-        self.chat_template = template
-
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

@@ -1,5 +1,6 @@
-"""The FastAPI app: routes, OpenAI-shaped errors, and `serve()` (the request gate and the
-transport are in transport.py).
+"""The FastAPI app: `ServerConfig`, the route table, OpenAI-shaped errors, and `serve()` (the
+request gate and the transport are in transport.py; the HTTP helpers every API module shares
+in http.py; the Responses and Messages routes in responses.py and messages.py).
 
     app = build_app(engine, ServerConfig(model_name="musespark-tiny"))
     serve(engine, config, host="127.0.0.1", port=8000)
@@ -10,35 +11,30 @@ building that tokenizes or renders a chat runs in a worker thread, off the event
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import re
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from .. import __version__
 from ..engine.chat import compile_template, parse_reasoning_effort_map, parse_template_kwargs
 from ..engine.llm_engine import LLMEngine
+from . import messages, responses
 from .async_engine import AsyncEngine, EngineDeadError
 from .chat_output import check_parsers
+from .http import APIError, Preparation, SSEResponse, error_response, parse_body, until_disconnect, validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .serving import APIError, ChatSettings, Serving
+from .serving import ChatSettings, Serving
 from .transport import GuardMiddleware, header_timeout_protocol
-from .transport import error_response as _error
 
 logger = logging.getLogger("musespark.server")
 
@@ -112,160 +108,30 @@ class ServerConfig:
         )
 
 
-class SSEResponse(StreamingResponse):
-    """Streams while listening for the client going away; on disconnect the stream is
-    cancelled and its generator closed at once, which aborts the request in the engine."""
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    body = await request.body()
-    try:
-        # Strict UTF-8 (json.loads on bytes would let encoded surrogates through).
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    if "\\u" in text:  # now only \uXXXX escapes can smuggle in a lone surrogate
-        where = _lone_surrogate(data)
-        if where is not None:
-            raise APIError(
-                400,
-                f"{where or 'body'}: a string holds a lone surrogate (\\ud800-\\udfff escape), "
-                "which is not valid Unicode",
-                where.split(".", 1)[0].split("[", 1)[0] or None,
-            )
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _validation_error(exc.errors()) from None
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _lone_surrogate(value: Any, path: str = "") -> str | None:
-    """The path (`messages[0].content`) of the first string or key holding a lone surrogate."""
-    stack = [(value, path)]
-    while stack:
-        item, where = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return where
-        elif isinstance(item, dict):
-            for k, v in item.items():
-                child = f"{where}.{k}" if where else str(k)
-                if _SURROGATE.search(k):
-                    return child
-                stack.append((v, child))
-        elif isinstance(item, list):
-            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
-    return None
-
-
-def _validation_error(errors: Any) -> APIError:
-    errors = list(errors)
-    if not errors:
-        return APIError(400, "invalid request")
-    loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
-    message = "; ".join(
-        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
-    )
-    return APIError(400, message, param)
-
-
-async def _until_disconnect(request: Request, work: Any) -> Any:
-    """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        return Response(status_code=499)
-    return task.result()
-
-
-class Preparation:
-    """Runs CPU-heavy request preparation (tokenizing, chat rendering, grammar compiling) in
-    worker threads, at most `threads` at once and `queue` more waiting: beyond that a request
-    is refused with 503 at once instead of piling up behind the others."""
-
-    def __init__(self, threads: int = 4, queue: int = 1024) -> None:
-        self._slots = asyncio.Semaphore(threads)
-        self._queue, self._pending = queue, 0
-
-    async def run(self, fn: Any, *args: Any) -> Any:
-        if self._pending >= self._queue:
-            raise APIError(503, "the server is busy preparing other requests; retry shortly")
-        self._pending += 1
-        try:
-            async with self._slots:
-                return await asyncio.to_thread(fn, *args)
-        finally:
-            self._pending -= 1
-
-
-def _add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's JSON shape."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc.errors())
-        return _error(400, err.message, err.param)
+        err = validation_error(exc.errors())
+        return error_response(400, err.message, err.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error(503, str(exc))
+        return error_response(503, str(exc))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return _error(500, f"internal error: {type(exc).__name__}")
+        return error_response(500, f"internal error: {type(exc).__name__}")
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -300,7 +166,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
         )
 
-    _add_error_handlers(app)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -334,7 +200,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+        req = await parse_body(request, CompletionRequest)
         base, jobs = await prep.run(serving.completion_jobs, req)
         if req.stream:
             return SSEResponse(serving.completion_stream(base, req, jobs))
@@ -343,11 +209,11 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             finals = await serving.final_outputs(jobs)
             return JSONResponse(serving.completion_response(base, req, jobs, finals))
 
-        return await _until_disconnect(request, work())
+        return await until_disconnect(request, work())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest)
         base, jobs = await prep.run(serving.chat_jobs, req)
         if req.stream:
             return SSEResponse(serving.chat_stream(base, req, jobs))
@@ -356,26 +222,24 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             (final,) = await serving.final_outputs(jobs)
             return JSONResponse(serving.chat_response(base, req, final))
 
-        return await _until_disconnect(request, work())
+        return await until_disconnect(request, work())
 
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> dict[str, Any]:
-        req = await _parse(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest)
         return await prep.run(serving.render, req)
-
-    from . import messages, responses  # here: they import this module's helpers
 
     responses.add_routes(app, serving, prep)
     messages.add_routes(app, serving, prep)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, TokenizeRequest)
+        req = await parse_body(request, TokenizeRequest)
         return await prep.run(serving.tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, DetokenizeRequest)
+        req = await parse_body(request, DetokenizeRequest)
         return await prep.run(serving.detokenize, req)
 
     return app

@@ -2,7 +2,7 @@
 
 A Messages request is translated into a `ChatCompletionRequest` (`to_chat_request`) and runs
 through the chat machinery (`Serving.chat_jobs`, `Serving.run`), exactly as a chat completion.
-The turn is cut into blocks in the order the model wrote them (responses.py `TurnBlocks`):
+The turn is cut into blocks in the order the model wrote them (turn_blocks.py):
 reasoning -> `thinking`, text -> `text`, tool calls -> `tool_use` (input: the parsed
 arguments). Streamed events and the non-streamed body come from the same blocks.
 
@@ -23,34 +23,22 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr, Valid
 
 from ..engine.outputs import RequestOutput
 from .async_engine import EngineDeadError
-from .protocol import ChatCompletionRequest, TokenizeRequest, _Request
-from .responses import Block, Event, TurnBlocks, run_into_blocks
-from .serving import APIError, Job, Serving
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
-
+from .http import (
+    APIError,
+    SSEResponse,
+    anthropic_error_response,
+    parse_body,
+    sse,
+    until_disconnect,
+)
+from .protocol import ChatCompletionRequest, RequestModel, TokenizeRequest
+from .serving import Job, Serving
+from .turn_blocks import Block, Event, TurnBlocks, run_into_blocks
 
 # -- request ----------------------------------------------------------------------------------
 
 
-class CountTokensRequest(_Request):
+class CountTokensRequest(RequestModel):
     model: StrictStr
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: StrictStr | list[dict[str, Any]] | None = None
@@ -280,7 +268,7 @@ class Turn:
     # -- streaming -----------------------------------------------------------------------------
     @staticmethod
     def _event(kind: str, **fields: Any) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
+        return sse({"type": kind, **fields}, event=kind)
 
     def _render(self, events: list[Event]) -> Iterator[str]:
         for op, b, text in events:
@@ -337,19 +325,17 @@ def prepare(serving: Serving, req: MessagesRequest) -> Turn:
 
 
 def add_routes(app: FastAPI, serving: Serving, prep: Any) -> None:
-    """Register /v1/messages and /v1/messages/count_tokens (api.py imports this module inside
-    build_app, so api.py's helpers can be imported here)."""
-    from .api import SSEResponse, _parse, _until_disconnect
+    """Register /v1/messages and /v1/messages/count_tokens (api.py imports this module inside"""
 
     @app.post("/v1/messages")
     async def create_message(request: Request) -> Response:
         try:
-            req = await _parse(request, MessagesRequest)
+            req = await parse_body(request, MessagesRequest)
             turn = await prep.run(prepare, serving, req)
         except APIError as exc:
-            return error_response(exc.status, exc.message)
+            return anthropic_error_response(exc.status, exc.message)
         except EngineDeadError as exc:
-            return error_response(503, str(exc))
+            return anthropic_error_response(503, str(exc))
         if req.stream:
             return SSEResponse(turn.stream())
 
@@ -357,14 +343,14 @@ def add_routes(app: FastAPI, serving: Serving, prep: Any) -> None:
             return JSONResponse(await turn.response())
 
         try:
-            return await _until_disconnect(request, work())
+            return await until_disconnect(request, work())
         except EngineDeadError as exc:
-            return error_response(503, str(exc))
+            return anthropic_error_response(503, str(exc))
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: Request) -> Response:
         try:
-            req = await _parse(request, CountTokensRequest)
+            req = await parse_body(request, CountTokensRequest)
             return JSONResponse(await prep.run(count_tokens, serving, req))
         except APIError as exc:
-            return error_response(exc.status, exc.message)
+            return anthropic_error_response(exc.status, exc.message)

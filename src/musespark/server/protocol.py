@@ -24,16 +24,18 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
+    """The base of every request body: fields outside the model are ignored (as vLLM does)."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM's names)."""
 
     model: StrictStr | None = None
@@ -126,7 +128,7 @@ class CompletionRequest(_SamplingRequest):
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
-class _ChatTemplateFields(_Request):
+class _ChatTemplateFields(RequestModel):
     """What a chat request adds to its template's kwargs (vLLM's names; engine/chat.py).
     Entries of `tools` are checked there, so a bad one is a 400 naming `tools`."""
 
@@ -160,7 +162,7 @@ class TokenizeRequest(_ChatTemplateFields):
     return_token_strs: StrictBool = False  # vLLM: also each token's vocabulary string
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: StrictStr | None = None
     tokens: list[StrictInt]
 
@@ -177,19 +179,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind = {
-        400: "BadRequestError",
-        401: "AuthenticationError",
-        404: "NotFoundError",
-        405: "MethodNotAllowedError",
-        413: "RequestTooLargeError",
-        415: "UnsupportedMediaTypeError",
-        503: "ServiceUnavailableError",
-    }.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def envelope(

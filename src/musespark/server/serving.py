@@ -19,7 +19,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -27,33 +26,23 @@ from typing import Any
 
 from ..engine.chat import check_tool_choice, normalize_tools
 from ..engine.input_processor import ProcessedPrompt
-from ..engine.outputs import Logprob, RequestOutput
+from ..engine.outputs import RequestOutput
 from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine
 from .chat_output import chat_finish_reason, chat_message, chat_usage, output_parser_factory, parsed_delta
 from .constraints import request_constraint
+from .http import SSE_DONE, APIError, bad_request, error_body, sse
+from .logprobs import LogprobFormatter, scoring_fields
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     envelope,
-    error_body,
     random_id,
     usage,
 )
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def bad_request(exc: ValueError) -> APIError:
-    """A 400 for a refused argument, naming it when the error does."""
-    return APIError(400, str(exc), getattr(exc, "param", None))
 
 
 @dataclass(frozen=True)
@@ -96,6 +85,7 @@ class Serving:
         self.max_logprobs = max_logprobs  # --max-logprobs (-1: only the protocol's cap)
         self.max_sequences = max_sequences_per_request
         self.inputs = engine.input_processor
+        self.logprobs = LogprobFormatter(self.inputs.tokenizer)
         self.chat = chat or ChatSettings()
 
     # -- request -> jobs (worker thread) ------------------------------------------------------
@@ -318,56 +308,23 @@ class Serving:
                 choice = {
                     "index": i * req.n + c.index,
                     "text": text,
-                    "logprobs": self._choice_logprobs(req, out, c.logprobs, c.token_ids, True),
+                    "logprobs": self.logprobs.completion_choice(req, out, c.logprobs, c.token_ids, True),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
-                choices.append(self._scoring_fields(req, out, choice, c.token_ids))
+                choices.append(scoring_fields(req, out, choice, c.token_ids))
         return {
             **envelope("text_completion", base, self.model_name),
             "choices": choices,
             "usage": usage(n_prompt, n_out, n_cached),
         }
 
-    def _choice_logprobs(
-        self, req: CompletionRequest, out: RequestOutput, entries: list | None, ids: list[int], first: bool
-    ) -> dict[str, Any] | None:
-        """A choice's logprobs; with echo, the first chunk's also cover the prompt (the first
-        prompt token has none: nothing predicts it)."""
-        if entries is None:
-            return None
-        if req.echo and first and out.prompt_logprobs is not None:
-            entries = out.prompt_logprobs + entries
-            ids = out.prompt_token_ids + ids
-        return self.completion_logprobs(entries, ids, 0, req.logprobs)
-
-    def _scoring_fields(
-        self, req: CompletionRequest, out: RequestOutput, choice: dict[str, Any], token_ids: list[int]
-    ) -> dict[str, Any]:
-        """vLLM's prompt_logprobs ({token id: {logprob, rank, decoded_token}} per prompt token)
-        and return_token_ids (prompt_token_ids, token_ids) on a choice."""
-        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = [
-                None
-                if e is None
-                else {
-                    str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                    for t, lp in e.items()
-                    if lp.rank is None or lp.rank <= req.prompt_logprobs
-                }
-                for e in out.prompt_logprobs
-            ]
-        if req.return_token_ids:
-            choice["prompt_token_ids"] = out.prompt_token_ids
-            choice["token_ids"] = list(token_ids)
-        return choice
-
     def chat_response(self, base: str, req: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any]:
         choices = [
             {
                 "index": c.index,
                 "message": chat_message(c, req.include_reasoning),
-                "logprobs": self.chat_logprobs(c.logprobs, c.token_ids),
+                "logprobs": self.logprobs.chat(c.logprobs, c.token_ids),
                 "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls), req.tool_choice),
                 "stop_reason": c.stop_reason,
             }
@@ -379,62 +336,6 @@ class Serving:
             "choices": choices,
             "usage": chat_usage(final, n_out),
         }
-
-    def completion_logprobs(
-        self, entries: list[dict[int, Logprob] | None] | None, ids: list[int], offset: int, top: int | None = None
-    ) -> dict[str, Any] | None:
-        """OpenAI's completion logprobs of `ids`, whose entries are `entries` (same length; a
-        None entry, the first prompt token's, gives null logprobs); at most `top` top ones."""
-        if entries is None:
-            return None
-        tokens, chosen, tops, offsets = [], [], [], []
-        for token_id, entry in zip(ids, entries):
-            name = self._token_name(token_id, entry or {})
-            offsets.append(offset)
-            offset += len(name)
-            tokens.append(name)
-            if entry is None:
-                chosen.append(None)
-                tops.append(None)
-                continue
-            chosen.append(entry[token_id].logprob)
-            tops.append({self._token_name(t, entry): lp.logprob for t, lp in self._ranked(entry)[:top]})
-        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
-
-    def chat_logprobs(self, entries: list[dict[int, Logprob]] | None, ids: list[int]) -> dict[str, Any] | None:
-        """OpenAI's chat logprobs of `ids`, whose entries are `entries` (same length)."""
-        if entries is None:
-            return None
-        content = []
-        for token_id, entry in zip(ids, entries):
-            name = self._token_name(token_id, entry)
-            content.append(
-                {
-                    "token": name,
-                    "logprob": entry[token_id].logprob,
-                    "bytes": list(name.encode()),
-                    "top_logprobs": [
-                        {
-                            "token": self._token_name(t, entry),
-                            "logprob": lp.logprob,
-                            "bytes": list(self._token_name(t, entry).encode()),
-                        }
-                        for t, lp in self._ranked(entry)
-                    ],
-                }
-            )
-        return {"content": content}
-
-    @staticmethod
-    def _ranked(entry: dict) -> list:
-        return sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
-
-    def _token_name(self, token_id: int, entry: dict) -> str:
-        lp = entry.get(token_id)
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        tok = self.inputs.tokenizer
-        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
 
     # -- streaming ---------------------------------------------------------------------------
     async def completion_stream(self, base: str, req: CompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
@@ -457,7 +358,7 @@ class Serving:
                     if req.echo and first:
                         text = (out.prompt or "") + text
                     started.add(index)
-                    lp = self._choice_logprobs(req, out, c.delta_logprobs, c.delta_token_ids, first)
+                    lp = self.logprobs.completion_choice(req, out, c.delta_logprobs, c.delta_token_ids, first)
                     if lp is not None:
                         lp["text_offset"] = [o + offsets.get(index, 0) for o in lp["text_offset"]]
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
@@ -469,22 +370,22 @@ class Serving:
                         "stop_reason": c.stop_reason,
                     }
                     if first:
-                        choice = self._scoring_fields(req, out, choice, [])
+                        choice = scoring_fields(req, out, choice, [])
                     if req.return_token_ids:
                         choice["token_ids"] = list(c.delta_token_ids)
                     if c.finish_reason:
                         finished.add(index)
-                    yield _sse({**head, "choices": [choice]})
+                    yield sse({**head, "choices": [choice]})
             if req.include_usage:
                 n_prompt = sum(len(o.prompt_token_ids) for o in last.values())
                 n_out = sum(len(c.token_ids) for o in last.values() for c in o.outputs)
                 n_cached = sum(o.num_cached_tokens for o in last.values())
-                yield _sse({**head, "choices": [], "usage": usage(n_prompt, n_out, n_cached)})
+                yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out, n_cached)})
         except Exception as exc:
-            yield _sse(error_body(f"generation failed: {exc}", 500))
+            yield sse(error_body(f"generation failed: {exc}", 500))
         finally:
             await gen.aclose()
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
 
     async def chat_stream(self, base: str, req: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
         created = int(time.time())
@@ -502,7 +403,7 @@ class Serving:
                         continue
                     if c.index not in started:  # the role goes out once the first token exists
                         started.add(c.index)
-                        yield _sse(
+                        yield sse(
                             {
                                 **head,
                                 "choices": [
@@ -524,22 +425,18 @@ class Serving:
                     choice = {
                         "index": c.index,
                         "delta": delta,
-                        "logprobs": self.chat_logprobs(c.delta_logprobs, c.delta_token_ids),
+                        "logprobs": self.logprobs.chat(c.delta_logprobs, c.delta_token_ids),
                         "finish_reason": chat_finish_reason(c, c.index in called, req.tool_choice),
                         "stop_reason": c.stop_reason,
                     }
                     if c.finish_reason:
                         finished.add(c.index)
-                    yield _sse({**head, "choices": [choice]})
+                    yield sse({**head, "choices": [choice]})
             if req.include_usage and last is not None:
                 n_out = sum(len(c.token_ids) for c in last.outputs)
-                yield _sse({**head, "choices": [], "usage": chat_usage(last, n_out)})
+                yield sse({**head, "choices": [], "usage": chat_usage(last, n_out)})
         except Exception as exc:
-            yield _sse(error_body(f"generation failed: {exc}", 500))
+            yield sse(error_body(f"generation failed: {exc}", 500))
         finally:
             await gen.aclose()
-        yield "data: [DONE]\n\n"
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        yield SSE_DONE

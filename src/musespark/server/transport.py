@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .protocol import error_body
+from .http import anthropic_error_response, error_response
 
 if TYPE_CHECKING:
     from .api import ServerConfig
@@ -68,11 +68,6 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
     return HeaderTimeoutProtocol
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """An error in OpenAI's JSON shape."""
-    return JSONResponse(error_body(message, status, param), status_code=status)
-
-
 def _is_json(content_type: bytes | None) -> bool:
     """application/json or application/*+json, parameters (charset=...) allowed."""
     if content_type is None:
@@ -109,9 +104,7 @@ class GuardMiddleware:
     def _refuse(scope: Scope, status: int, message: str) -> JSONResponse:
         """The error in the route's shape: Anthropic's on /v1/messages, else OpenAI's."""
         if scope["path"].startswith("/v1/messages"):
-            from . import messages
-
-            return messages.error_response(status, message)
+            return anthropic_error_response(status, message)
         return error_response(status, message)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
