@@ -23,8 +23,8 @@ from torch import nn
 from ..checkpoint.loader import find_weight_files
 from ..checkpoint.names import TensorSpec, to_relative
 from ..checkpoint.safetensors_file import SafetensorsFile
-from ..layers.linear import linear
 from .format import ExpertsFormat, LinearFormat
+from .gemm import linear
 from .nvfp4_math import BLOCK, dequantize, quantize_activation, unscaled_weight
 
 MODES = ("weight-only", "w4a4")
