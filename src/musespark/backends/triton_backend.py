@@ -39,14 +39,14 @@ from .base import Rotary
 from .torch_backend import TorchBackend
 
 if TYPE_CHECKING:
-    from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
+    from .modules import AttentionModule, DecoderLayerModule, DecoderModel
 
 
 class TritonBackend(TorchBackend):
     name = "triton"
     supports_autograd = False
 
-    def __init__(self, model: MuseSparkForCausalLM) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         """Raises ValueError naming the reason when the kernels cannot run this model here."""
         if not triton_kernels.available():
             raise ValueError(
@@ -124,12 +124,12 @@ class TritonBackend(TorchBackend):
         return s2
 
     # -- the steps ----------------------------------------------------------------------------
-    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: DecoderModel, input_ids: torch.Tensor) -> torch.Tensor:
         self._pending = None
         return self._k_norm.rms_norm(model.embed_tokens(input_ids), model.config.rms_norm_eps, None, torch.float32)
 
     def attn_in(
-        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+        self, layer: DecoderLayerModule, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         attn, T, D = layer.self_attn, s.shape[0], layer.self_attn.head_dim
         h = self._norm(s, layer.input_layernorm, dtype)
@@ -141,7 +141,7 @@ class TritonBackend(TorchBackend):
 
     def attention(
         self,
-        attn: Attention,
+        attn: AttentionModule,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -156,7 +156,7 @@ class TritonBackend(TorchBackend):
             q, k, v, positions, ctx, attn.layer, attn.scale, attn.window, meta=cached[1]
         )
 
-    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayerModule, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         attn, T = layer.self_attn, s.shape[0]
         o = self._k_ogate.o_norm_gate(o, g, attn.eps)
         a = attn.o_proj(o.reshape(T, attn.num_heads * attn.head_dim))
@@ -170,11 +170,11 @@ class TritonBackend(TorchBackend):
             o.dtype,
         )
 
-    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b = layer.mlp(self._norm(s, layer.pre_feedforward_layernorm, dtype))
         return self._ffn_out(layer, s, b, dtype)
 
-    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         mlp = layer.mlp
         f = self._norm(s, layer.pre_feedforward_layernorm, dtype)
         experts = mlp.experts
@@ -196,12 +196,12 @@ class TritonBackend(TorchBackend):
         )  # [T, Hm] fp32
         return self._ffn_out(layer, s, mlp.post_expert_proj(y.to(f.dtype)), dtype)
 
-    def _ffn_out(self, layer: DecoderLayer, s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _ffn_out(self, layer: DecoderLayerModule, s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         post = layer.post_feedforward_layernorm
         assert post.input_scaled
         return self._residual(
             s, b, layer.post_feedforward_residual_gate, post.eps, post, self._next_norm.get(layer), dtype
         )
 
-    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: DecoderModel, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._norm(s, model.norm, dtype)
