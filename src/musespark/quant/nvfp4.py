@@ -1,6 +1,6 @@
 """NVFP4 ("modelopt_fp4") weight formats: a linear layer and the fused 3-D experts stored as
-packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (/work/shared/NVFP4.md
-§2, §3), kept packed in memory and decoded on every product (a plain-torch reference).
+packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (NVFP4.md §2, §3),
+kept packed in memory and decoded on every product (a plain-torch reference).
 
 Two numerics modes, one per model:
 - "weight-only": each weight is decoded to fp32, rounded to the activation dtype and
