@@ -7,7 +7,8 @@ backend, the torch backend and transformers, against the HBM roofline.
     python benchmarks/gpu_check.py --dry-run-cpu   # the same code path at toy sizes on CPU under
                                                    # TRITON_INTERPRET=1 (checks the script, times nothing real)
 
-1. Kernels (`musespark.kernels.triton`), each against its `reference_*` on the GPU, in fp32
+1. Kernels (`musespark.kernels.triton`), each against its `reference_*`
+   (`musespark.backends.triton_reference`) on the GPU, in fp32
    and bf16, at hidden 4096, 32 heads / 8 KV heads of head_dim 128, 64 experts top-8 at
    Hm 2048 / Im 1024, 2048 tokens (experts: 512): max relative error, pass at fp32 1e-5 and
    bf16 8e-3 (tests/test_triton_kernels.py states why); routing reports the fraction of
@@ -223,8 +224,11 @@ def bench_ms(fn: Callable[[], Any], device) -> float:
 def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
     import torch
 
+    from musespark.backends import triton_reference as refs
+    from musespark.backends.triton_backend import attention_args
     from musespark.kernels.triton import attention, experts, norm_residual, o_norm_gate, qk_norm_rope, routing
     from musespark.layers.attention import AttentionContext, KVGroup
+    from musespark.layers.moe import ROUTER_EPS
     from musespark.layers.rotary import cos_sin, inv_frequencies
 
     dev = run.device
@@ -245,12 +249,12 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
         alpha = torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1 + beta), min=1e-3))
         pg, ng = 1 + randn(H, scale=0.2), 1 + randn(H, scale=0.2)
         args = (st, br, alpha, beta, 1e-8, pg, ng, 1e-5, dt)
-        (s1, h1), (s2, h2) = norm_residual.norm_residual(*args), norm_residual.reference_norm_residual(*args)
+        (s1, h1), (s2, h2) = norm_residual.norm_residual(*args), refs.reference_norm_residual(*args)
         run.check(res, f"norm_residual.stream.{tag}", rel(s1, s2), FP32_TOL)
         run.check(res, f"norm_residual.next_norm.{tag}", rel(h1, h2), tol)
         times[f"norm_residual.{tag}"] = [
             bench_ms(lambda: norm_residual.norm_residual(*args), dev),
-            bench_ms(lambda: norm_residual.reference_norm_residual(*args), dev),
+            bench_ms(lambda: refs.reference_norm_residual(*args), dev),
         ]
         # 2. QK-norm + RoPE + paged KV write
         x, v = randn(T, nKV, D, scale=4, dtype=dt), randn(T, nKV, D, dtype=dt)
@@ -260,34 +264,33 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
         slots = torch.randperm(nb * s["block"], generator=g, device=dev)[:T]
         caches = [torch.zeros(nb, s["block"], nKV, D, dtype=dt, device=dev) for _ in range(4)]
         ours = qk_norm_rope.qk_norm_rope(x, 1e-5, 5.47, rot, dt, v, slots, caches[0], caches[1])
-        ref = qk_norm_rope.reference_qk_norm_rope(x, 1e-5, 5.47, rot, dt, v, slots, caches[2], caches[3])
+        ref = refs.reference_qk_norm_rope(x, 1e-5, 5.47, rot, dt, v, slots, caches[2], caches[3])
         run.check(res, f"qk_norm_rope.{tag}", rel(ours, ref), tol)
         run.check(res, f"qk_norm_rope.k_cache.{tag}", rel(caches[0], caches[2]), tol)
         run.check(res, f"qk_norm_rope.v_cache.{tag}", rel(caches[1], caches[3]), 0.0)
         xq = randn(T, nH, D, scale=4, dtype=dt)
         times[f"qk_norm_rope.q.{tag}"] = [
             bench_ms(lambda: qk_norm_rope.qk_norm_rope(xq, 1e-5, 5.47, rot, dt), dev),
-            bench_ms(lambda: qk_norm_rope.reference_qk_norm_rope(xq, 1e-5, 5.47, rot, dt), dev),
+            bench_ms(lambda: refs.reference_qk_norm_rope(xq, 1e-5, 5.47, rot, dt), dev),
         ]
         # 3. O-norm x sigmoid gate
         o, gate = randn(T, nH, D, scale=3, dtype=dt), randn(T, nH, D, scale=2, dtype=dt)
         run.check(
             res,
             f"o_norm_gate.{tag}",
-            rel(o_norm_gate.o_norm_gate(o, gate, 1e-5), o_norm_gate.reference_o_norm_gate(o, gate, 1e-5)),
+            rel(o_norm_gate.o_norm_gate(o, gate, 1e-5), refs.reference_o_norm_gate(o, gate, 1e-5)),
             tol,
         )
         times[f"o_norm_gate.{tag}"] = [
             bench_ms(lambda: o_norm_gate.o_norm_gate(o, gate, 1e-5), dev),
-            bench_ms(lambda: o_norm_gate.reference_o_norm_gate(o, gate, 1e-5), dev),
+            bench_ms(lambda: refs.reference_o_norm_gate(o, gate, 1e-5), dev),
         ]
         # 4. routing
         E, k = s["E"], s["k"]
         f = randn(T, H, dtype=dt)
         wr, bias = randn(E, H, scale=2 / H**0.5), randn(E, scale=0.1)
-        (w1, i1), (w2, i2) = (
-            fn(f, wr, bias, k, 0.1767766952966369, 1.0) for fn in (routing.route_topk, routing.reference_route)
-        )
+        w1, i1 = routing.route_topk(f, wr, bias, k, 0.1767766952966369, 1.0, ROUTER_EPS)
+        w2, i2 = refs.reference_route(f, wr, bias, k, 0.1767766952966369, 1.0)
         same = (i1 == i2).all(dim=1)
         frac = float(same.float().mean())
         run.check(
@@ -300,8 +303,8 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
         res[f"routing.same_experts.{tag}"] = {"fraction": frac, "ok": frac >= 0.999}
         run.out["ok"] &= frac >= 0.999
         times[f"routing.{tag}"] = [
-            bench_ms(lambda: routing.route_topk(f, wr, bias, k, 0.17, 1.0), dev),
-            bench_ms(lambda: routing.reference_route(f, wr, bias, k, 0.17, 1.0), dev),
+            bench_ms(lambda: routing.route_topk(f, wr, bias, k, 0.17, 1.0, ROUTER_EPS), dev),
+            bench_ms(lambda: refs.reference_route(f, wr, bias, k, 0.17, 1.0), dev),
         ]
         # 5. experts
         Tm, Hm, Im = s["T_moe"], s["Hm"], s["Im"]
@@ -315,13 +318,13 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
             f"experts.{tag}",
             rel(
                 experts.moe_experts(u, wts, ids, gu, dn, pgn, 1e-8),
-                experts.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8),
+                refs.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8),
             ),
             tol,
         )
         times[f"experts.{tag}"] = [
             bench_ms(lambda: experts.moe_experts(u, wts, ids, gu, dn, pgn, 1e-8), dev),
-            bench_ms(lambda: experts.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8), dev),
+            bench_ms(lambda: refs.reference_moe_experts(u, wts, ids, gu, dn, pgn, 1e-8), dev),
         ]
         # 6. attention: prompt, chunk after a prefix, decode rows; full and windowed
         bs = s["block"]
@@ -358,14 +361,15 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
 
                 scale = D**-0.5
                 c1, c2 = ctx(), ctx()
-                ours = attention.paged_attention(q, kk, vv, posn, c1, 0, scale, window)
-                ref = attention.reference_paged_attention(q, kk, vv, posn, c2, 0, scale, window)
+                ours = attention.paged_attention(q, kk, vv, posn, *attention_args(c1, 0), scale, window)
+                ref = refs.reference_paged_attention(q, kk, vv, posn, c2, 0, scale, window)
                 key = f"attention.{name}.{'w' + str(window) if window else 'full'}.{tag}"
                 run.check(res, key, rel(ours, ref), tol)
                 c3 = ctx()
+                a3 = attention_args(c3, 0)
                 times[key] = [
-                    bench_ms(lambda: attention.paged_attention(q, kk, vv, posn, c3, 0, scale, window), dev),
-                    bench_ms(lambda: attention.reference_paged_attention(q, kk, vv, posn, c3, 0, scale, window), dev),
+                    bench_ms(lambda: attention.paged_attention(q, kk, vv, posn, *a3, scale, window), dev),
+                    bench_ms(lambda: refs.reference_paged_attention(q, kk, vv, posn, c3, 0, scale, window), dev),
                 ]
                 if name == "chunk":  # the chunk's last row, alone as a decode row: bitwise equal
                     alone = AttentionContext(
@@ -375,7 +379,9 @@ def kernel_checks(run: Run, s: dict[str, Any], seed: int) -> dict[str, Any]:
                         groups=[KVGroup(slot_mapping=slots[-1:], block_tables=tables)],
                         layer_group=[0],
                     )
-                    row = attention.paged_attention(q[-1:], kk[-1:], vv[-1:], posn[-1:], alone, 0, scale, window)
+                    row = attention.paged_attention(
+                        q[-1:], kk[-1:], vv[-1:], posn[-1:], *attention_args(alone, 0), scale, window
+                    )
                     res[key + ".decode_row_bitwise"] = {
                         "ok": bool(torch.equal(row[0], ours[-1])),
                         "rel_err": rel(row[0], ours[-1]),

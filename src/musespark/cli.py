@@ -85,7 +85,7 @@ def _quantize_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_quantize(args: argparse.Namespace) -> int:
-    from .quant.quantize import quantize_checkpoint
+    from .apps.quantize import quantize_checkpoint
 
     quantize_checkpoint(
         args.src,

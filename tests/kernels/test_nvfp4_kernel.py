@@ -175,7 +175,7 @@ def paged_greedy(model, prompt: list[int], n: int, forced: list[int] | None = No
 
 @pytest.fixture(scope="module")
 def nvfp4_model(tmp_path_factory):
-    from musespark.quant.quantize import quantize_checkpoint
+    from musespark.apps.quantize import quantize_checkpoint
 
     dst = tmp_path_factory.mktemp("nvfp4_kernel") / "linear"
     quantize_checkpoint(bundled_model_path(), dst, scope="linear", calibration_prompts=2)

@@ -1,4 +1,5 @@
-"""The Triton kernels (`musespark.kernels.triton`) against their torch references, on CPU
+"""The Triton kernels (`musespark.kernels.triton`) against their torch references
+(`musespark.backends.triton_reference`), on CPU
 under Triton's interpreter (TRITON_INTERPRET=1, set below before the kernels are imported),
 at small sizes with random inputs (norm weights, gates and biases randomized too).
 
@@ -52,8 +53,19 @@ if not interpreted():
     )
 
 from musespark.backends import select_backend  # noqa: E402
+from musespark.backends.triton_backend import attention_args  # noqa: E402
+from musespark.backends.triton_reference import (  # noqa: E402
+    reference_moe_experts,
+    reference_norm_residual,
+    reference_o_norm_gate,
+    reference_paged_attention,
+    reference_qk_norm_rope,
+    reference_rms_norm,
+    reference_route,
+)
 from musespark.config import ModelConfig  # noqa: E402
 from musespark.layers.attention import AttentionContext, KVGroup  # noqa: E402
+from musespark.layers.moe import ROUTER_EPS  # noqa: E402
 from musespark.layers.rotary import cos_sin, inv_frequencies  # noqa: E402
 from musespark.model import MuseSparkForCausalLM, init_random_weights  # noqa: E402
 
@@ -94,7 +106,7 @@ def test_norm_residual(dtype, post_gain, next_norm):
     pg = 1 + 0.2 * torch.randn(H, generator=g) if post_gain else None
     ng = 1 + 0.2 * torch.randn(H, generator=g)
     args = (s, b, alpha, beta, 1e-8, pg, ng, 1e-5, dtype, next_norm)
-    (s1, h1), (s2, h2) = norm_residual.norm_residual(*args), norm_residual.reference_norm_residual(*args)
+    (s1, h1), (s2, h2) = norm_residual.norm_residual(*args), reference_norm_residual(*args)
     close(s1, s2, torch.float32, "stream")  # the stream is fp32 in any model dtype
     if next_norm:
         close(h1, h2, dtype, "next norm")
@@ -111,7 +123,7 @@ def test_rms_norm(dtype, weighted):
     for out_dtype in (dtype, torch.float32):
         close(
             norm_residual.rms_norm(x, 1e-5, gain, out_dtype),
-            norm_residual.reference_rms_norm(x, 1e-5, gain, out_dtype),
+            reference_rms_norm(x, 1e-5, gain, out_dtype),
             out_dtype,
             f"rms_norm -> {out_dtype}",
         )
@@ -131,7 +143,7 @@ def test_qk_norm_rope_and_kv_write(dtype, rope):
     rotary = cos_sin(positions, inv_frequencies(10000.0, D)) if rope else None
     close(
         qk_norm_rope.qk_norm_rope(x, 1e-5, 5.47, rotary, dtype),
-        qk_norm_rope.reference_qk_norm_rope(x, 1e-5, 5.47, rotary, dtype),
+        reference_qk_norm_rope(x, 1e-5, 5.47, rotary, dtype),
         dtype,
         "q",
     )
@@ -141,7 +153,7 @@ def test_qk_norm_rope_and_kv_write(dtype, rope):
         ours_kc, ours_vc = (c.clone() for c in caches)
         ref_kc, ref_vc = (c.clone() for c in caches)
         ours = qk_norm_rope.qk_norm_rope(x, 1e-5, 1.0, rotary, dtype, v, slots, ours_kc, ours_vc)
-        ref = qk_norm_rope.reference_qk_norm_rope(x, 1e-5, 1.0, rotary, dtype, v, slots, ref_kc, ref_vc)
+        ref = reference_qk_norm_rope(x, 1e-5, 1.0, rotary, dtype, v, slots, ref_kc, ref_vc)
         close(ours, ref, dtype, "k")
         close(ours_kc, ref_kc, dtype, "k cache")
         assert torch.equal(ours_vc, ref_vc), "v cache: a copy, exactly"
@@ -156,7 +168,7 @@ def test_o_norm_gate(dtype):
     g = gen(4)
     o = (torch.randn(7, 4, 12, generator=g) * 3).to(dtype)
     gate = (torch.randn(7, 4, 12, generator=g) * 2).to(dtype)
-    close(o_norm_gate.o_norm_gate(o, gate, 1e-5), o_norm_gate.reference_o_norm_gate(o, gate, 1e-5), dtype, "o")
+    close(o_norm_gate.o_norm_gate(o, gate, 1e-5), reference_o_norm_gate(o, gate, 1e-5), dtype, "o")
 
 
 # -- 4. routing -------------------------------------------------------------------------------
@@ -169,7 +181,10 @@ def test_routing(dtype):
     x = torch.randn(T, H, generator=g).to(dtype)
     w = torch.randn(E, H, generator=g) * 2 / H**0.5
     bias = torch.randn(E, generator=g) * 0.1
-    (wo, io), (wr, ir) = (f(x, w, bias, k, 0.177, 2.5) for f in (routing.route_topk, routing.reference_route))
+    (wo, io), (wr, ir) = (
+        routing.route_topk(x, w, bias, k, 0.177, 2.5, ROUTER_EPS),
+        reference_route(x, w, bias, k, 0.177, 2.5),
+    )
     assert torch.equal(io, ir), "the same experts, in increasing id"
     close(wo, wr, torch.float32, "routing weights")  # the router is fp32 in any model dtype
 
@@ -186,8 +201,8 @@ def test_routing_ties_go_to_the_lower_expert_id():
     bias = torch.zeros(E)
     x = torch.randn(12, H, generator=g)
     for k in (1, 2, 3, 4):
-        wo, io = routing.route_topk(x, w, bias, k, 0.5, 1.0)
-        wr, ir = routing.reference_route(x, w, bias, k, 0.5, 1.0)
+        wo, io = routing.route_topk(x, w, bias, k, 0.5, 1.0, ROUTER_EPS)
+        wr, ir = reference_route(x, w, bias, k, 0.5, 1.0)
         p = torch.sigmoid(x @ w.T * 0.5)
         for t in range(x.shape[0]):
             chosen = set(io[t].tolist())
@@ -213,7 +228,7 @@ def test_experts(dtype):
     ids[0] = torch.tensor([5, 0, 3])  # unsorted rows are allowed
     weights = torch.rand(T, k, generator=g)
     gain = 1 + 0.2 * torch.randn(Hm, generator=g)
-    ref = experts.reference_moe_experts(u, weights, ids, gate_up, down, gain, 1e-8)
+    ref = reference_moe_experts(u, weights, ids, gate_up, down, gain, 1e-8)
     for block_m, block_n in ((16, 64), (4, 16)):  # one tile per expert; several tiles and column blocks
         ours = experts.moe_experts(u, weights, ids, gate_up, down, gain, 1e-8, block_m=block_m, block_n=block_n)
         # fp32 output, but in bf16 its intermediates are rounded to bf16 (gate, up, h, y): bf16 tolerance
@@ -263,8 +278,8 @@ def test_paged_attention(dtype, window, batch):
     done, new = ([9, 13, 0, 21], [6, 1, 7, 1]) if batch == "mixed" else ([3, 17, 30], [1, 1, 1])
     q, k, v, pos, ctx = _paged_case(dtype, window, done, new, seed=8)
     c_ours, c_ref = ctx(), ctx()
-    ours = attention.paged_attention(q, k, v, pos, c_ours, 0, 0.29, window)
-    ref = attention.reference_paged_attention(q, k, v, pos, c_ref, 0, 0.29, window)
+    ours = attention.paged_attention(q, k, v, pos, *attention_args(c_ours, 0), 0.29, window)
+    ref = reference_paged_attention(q, k, v, pos, c_ref, 0, 0.29, window)
     close(ours, ref, dtype, "attention")
     assert torch.equal(c_ours.kv_caches[0][0], c_ref.kv_caches[0][0]) and torch.equal(
         c_ours.kv_caches[0][1], c_ref.kv_caches[0][1]
@@ -279,8 +294,8 @@ def test_attention_without_cache(dtype, window):
     pos = torch.cat([torch.arange(5), torch.arange(11)])
     q, k, v = (torch.randn(16, h, 12, generator=g).to(dtype) for h in (4, 1, 1))  # GQA 4:1
     close(
-        attention.paged_attention(q, k, v, pos, ctx, 0, 0.29, window),
-        attention.reference_paged_attention(q, k, v, pos, ctx, 0, 0.29, window),
+        attention.paged_attention(q, k, v, pos, *attention_args(ctx, 0), 0.29, window),
+        reference_paged_attention(q, k, v, pos, ctx, 0, 0.29, window),
         dtype,
         "attention",
     )
@@ -293,7 +308,7 @@ def test_attention_rows_do_not_depend_on_the_batch():
     its position in the tile (benchmarks/gpu_check.py checks it bitwise on a GPU)."""
     q, k, v, pos, ctx = _paged_case(torch.float32, 5, [9], [6], seed=10)
     c = ctx()
-    chunk = attention.paged_attention(q, k, v, pos, c, 0, 0.29, 5)
+    chunk = attention.paged_attention(q, k, v, pos, *attention_args(c, 0), 0.29, 5)
     alone = AttentionContext(
         query_start_loc=[0, 1],
         seq_lens=c.seq_lens,
@@ -301,7 +316,7 @@ def test_attention_rows_do_not_depend_on_the_batch():
         groups=[KVGroup(slot_mapping=c.groups[0].slot_mapping[-1:], block_tables=c.groups[0].block_tables)],
         layer_group=[0],
     )
-    row = attention.paged_attention(q[-1:], k[-1:], v[-1:], pos[-1:], alone, 0, 0.29, 5)
+    row = attention.paged_attention(q[-1:], k[-1:], v[-1:], pos[-1:], *attention_args(alone, 0), 0.29, 5)
     assert rel(row[0], chunk[-1]) <= 1e-6
 
 

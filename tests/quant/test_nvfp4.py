@@ -523,8 +523,8 @@ def test_quantize_cli_calibration_file_and_refusals(quantized, tmp_path, capsys)
 def test_engine_serves_an_nvfp4_checkpoint_in_both_modes(tmp_path):
     """LLM(model=NVFP4 checkpoint, nvfp4_mode=...) picks the format from the checkpoint's config."""
     from musespark import LLM, SamplingParams
+    from musespark.apps.quantize import quantize_checkpoint
     from musespark.engine.args import bundled_model_path
-    from musespark.quant.quantize import quantize_checkpoint
 
     dst = tmp_path / "q"
     quantize_checkpoint(bundled_model_path(), dst, scope="experts", calibration_prompts=2)

@@ -21,10 +21,10 @@ from .base import Backend
 from .torch_backend import TorchBackend
 
 if TYPE_CHECKING:
-    from ..model.muse_spark import MuseSparkForCausalLM
+    from .modules import DecoderModel
 
 
-def select_backend(name: str | Backend, model: MuseSparkForCausalLM) -> Backend:
+def select_backend(name: str | Backend, model: DecoderModel) -> Backend:
     """The backend `name` for `model` (a Backend instance is returned as it is).
     Raises ValueError naming `backend` for an unknown name or one that cannot run here."""
     if isinstance(name, Backend):

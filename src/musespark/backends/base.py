@@ -10,7 +10,8 @@ path of a layer, and it is the same for every backend:
 
 `s` is the fp32 residual stream [T, H]; `dtype` is the model's activation dtype (what the
 reference rounds to between steps). Each step takes the module that owns the weights (a
-`DecoderLayer`, its `Attention`, the model), never loose tensors. The torch backend is the
+`DecoderLayer`, its `Attention`, the model; typed by the Protocols of `modules.py`, since
+backends/ does not import model/), never loose tensors. The torch backend is the
 reference every other backend is tested against (tests/test_backends.py). A backend may
 also offer `decode_forward`: a whole step in one call, the same bits as these steps.
 """
@@ -26,7 +27,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..layers.attention import AttentionContext
-    from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
+    from .modules import AttentionModule, DecoderLayerModule, DecoderModel
 
 Rotary = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [T, D] fp32 of the layer's base; None on NoPE layers
 
@@ -43,7 +44,7 @@ class Backend(ABC):
 
     def decode_forward(
         self,
-        model: MuseSparkForCausalLM,
+        model: DecoderModel,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: AttentionContext,
@@ -57,12 +58,12 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: DecoderModel, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the fp32 stream [T, H]: the embedding, RMS-normalized without weight."""
 
     @abstractmethod
     def attn_in(
-        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+        self, layer: DecoderLayerModule, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """s [T, H] fp32 -> q [T, nH, D], k [T, nKV, D], v [T, nKV, D], gate [T, nH, D], all in
         `dtype`; q and k QK-normed (q times qk_scale) and rotated."""
@@ -70,7 +71,7 @@ class Backend(ABC):
     @abstractmethod
     def attention(
         self,
-        attn: Attention,
+        attn: AttentionModule,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -80,21 +81,21 @@ class Backend(ABC):
         """Write k/v into the paged cache (if any) and attend -> o [T, nH, D] in q's dtype."""
 
     @abstractmethod
-    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayerModule, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """-> s' [T, H] fp32 = gate(s, rms(o_proj(rms(o) * sigmoid(g))))."""
 
     @abstractmethod
-    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """-> s' [T, H] fp32 = gate(s, post_norm(SwiGLU(pre_norm(s))))."""
 
     @abstractmethod
-    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """-> s' [T, H] fp32 = gate(s, post_norm(MoE(pre_norm(s)))) (route, pool, experts, unpool)."""
 
     @abstractmethod
-    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: DecoderModel, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """s [T, H] fp32 -> y [T, H] in `dtype`."""
 
     @abstractmethod
-    def logits(self, model: MuseSparkForCausalLM, y: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: DecoderModel, y: torch.Tensor) -> torch.Tensor:
         """y [N, H] -> soft-capped logits [N, V] fp32: cap * tanh(y W^T * m / cap)."""

@@ -46,7 +46,7 @@ from .cpu_decode import DecodePlan
 from .torch_backend import TorchBackend
 
 if TYPE_CHECKING:
-    from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
+    from .modules import AttentionModule, DecoderLayerModule, DecoderModel
 
 _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float32)
 # fp32 steps with more rows than this (prefills) keep the torch reference: MKL's fp32 GEMM is
@@ -141,7 +141,7 @@ class _NativeNvfp4:
     model under another backend during a step, it would get the native products for that
     step: the same values up to fp32 summation order.)"""
 
-    def __init__(self, model: MuseSparkForCausalLM, ops: Any) -> None:
+    def __init__(self, model: DecoderModel, ops: Any) -> None:
         self.swaps: dict[nn.Module, list[tuple[nn.Module, Any]]] = {}
         owners = [layer for layer in model.layers if hasattr(layer, "self_attn")] + [model]
         for owner in owners:
@@ -176,7 +176,7 @@ class CpuBackend(TorchBackend):
     name = "cpu"
     supports_autograd = False
 
-    def __init__(self, model: MuseSparkForCausalLM) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         """Loads (or builds, once, cached) the kernels now, not in the first request.
         Raises ValueError naming the reason when they are unavailable."""
         ops = cpu.native_ops()
@@ -237,7 +237,7 @@ class CpuBackend(TorchBackend):
 
     def decode_forward(
         self,
-        model: MuseSparkForCausalLM,
+        model: DecoderModel,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: AttentionContext,
@@ -262,14 +262,14 @@ class CpuBackend(TorchBackend):
             return None
         return self.decode_plan.run(model, input_ids, positions, ctx, rope, dtype)
 
-    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: DecoderModel, input_ids: torch.Tensor) -> torch.Tensor:
         x = model.embed_tokens(input_ids)
         if x.dtype != torch.bfloat16:
             return super().embed(model, input_ids)
         return self.ops.rms_norm(x, None, model.config.rms_norm_eps, False, 1.0, torch.float32)
 
     def attn_in(
-        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+        self, layer: DecoderLayerModule, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
@@ -277,7 +277,7 @@ class CpuBackend(TorchBackend):
         cos, sin = rotary or (None, None)
         return self.ops.attn_in(s, *self._attn_in_args(layer), cos, sin, dtype == torch.bfloat16, self._prompt(s))
 
-    def _attn_in_args(self, layer: DecoderLayer) -> tuple:
+    def _attn_in_args(self, layer: DecoderLayerModule) -> tuple:
         def build() -> tuple:
             attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
             return (
@@ -296,7 +296,7 @@ class CpuBackend(TorchBackend):
 
     def attention(
         self,
-        attn: Attention,
+        attn: AttentionModule,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -341,26 +341,26 @@ class CpuBackend(TorchBackend):
             else None,
         )
 
-    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayerModule, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(o.dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().attn_out(layer, s, o, g)
         return self.ops.attn_out(s, o.contiguous(), g, *self._attn_out_args(layer), self._prompt(s))
 
-    def _attn_out_args(self, layer: DecoderLayer) -> tuple:
+    def _attn_out_args(self, layer: DecoderLayerModule) -> tuple:
         def build() -> tuple:
             attn, gate = layer.self_attn, layer.post_attention_residual_gate
             return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps)
 
         return self.args.get("attn_out", layer, build)
 
-    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
             with self.nvfp4.native(layer):
                 return super().dense_ffn(layer, s, dtype)
         return self.ops.ffn_dense(s, *self._ffn_args("ffn_dense", layer), dtype == torch.bfloat16, self._prompt(s))
 
-    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The op takes one eps for the pre-norm and the pre-expert norm (both rms_norm_eps)
         and one for the per-expert and block post-norms (both post_norm_eps)."""
         if not (self.fused_blocks and _fused_dtype(dtype, s.shape[0])):
@@ -368,7 +368,7 @@ class CpuBackend(TorchBackend):
                 return super().moe_ffn(layer, s, dtype)
         return self.ops.ffn_moe(s, *self._ffn_args("ffn_moe", layer), dtype == torch.bfloat16, self._prompt(s))
 
-    def _ffn_args(self, op: str, layer: DecoderLayer) -> tuple:
+    def _ffn_args(self, op: str, layer: DecoderLayerModule) -> tuple:
         """`op`'s arguments between the stream and the bf16 flag: the pre-norm, the block's
         weights, the post-norm and the residual gate."""
 
@@ -409,13 +409,13 @@ class CpuBackend(TorchBackend):
 
         return self.args.get(op, layer, build)
 
-    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: DecoderModel, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not _fused_dtype(dtype, s.shape[0]):
             return super().final_norm(model, s, dtype)
         norm = model.norm
         return self.ops.rms_norm(s, norm.gain(), norm.eps, False, 1.0, dtype)
 
-    def logits(self, model: MuseSparkForCausalLM, y: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: DecoderModel, y: torch.Tensor) -> torch.Tensor:
         if not (
             self.native_head
             and _fused_dtype(y.dtype, y.shape[0])

@@ -22,8 +22,8 @@ import torch
 
 if TYPE_CHECKING:
     from ..layers.attention import AttentionContext
-    from ..model.muse_spark import MuseSparkForCausalLM
     from .cpu_backend import CpuBackend
+    from .modules import DecoderModel
 
 
 class DecodePlan:
@@ -41,7 +41,7 @@ class DecodePlan:
 
     def run(
         self,
-        model: MuseSparkForCausalLM,
+        model: DecoderModel,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         ctx: AttentionContext,
@@ -66,7 +66,7 @@ class DecodePlan:
             self.backend._prompt(input_ids),
         )
 
-    def _current(self, model: MuseSparkForCausalLM, ctx: AttentionContext, dtype: torch.dtype) -> Any:
+    def _current(self, model: DecoderModel, ctx: AttentionContext, dtype: torch.dtype) -> Any:
         caches = ctx.kv_caches
         assert caches is not None and ctx.layer_group is not None
         key = (id(model), dtype, self.backend.weights.panels, tuple(ctx.layer_group))
@@ -83,7 +83,7 @@ class DecodePlan:
         self.builds += 1
         return native
 
-    def _build(self, model: MuseSparkForCausalLM, ctx: AttentionContext) -> Any:
+    def _build(self, model: DecoderModel, ctx: AttentionContext) -> Any:
         backend, caches, layer_group = self.backend, ctx.kv_caches, ctx.layer_group
         assert caches is not None and layer_group is not None
         native = torch.classes.musespark_cpu.DecodePlan()

@@ -14,18 +14,18 @@ from ..layers.rotary import norm_rope
 from .base import Backend, Rotary
 
 if TYPE_CHECKING:
-    from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
+    from .modules import AttentionModule, DecoderLayerModule, DecoderModel
 
 
 class TorchBackend(Backend):
     name = "torch"
     supports_autograd = True
 
-    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: DecoderModel, input_ids: torch.Tensor) -> torch.Tensor:
         return rms(model.embed_tokens(input_ids), model.config.rms_norm_eps)
 
     def attn_in(
-        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+        self, layer: DecoderLayerModule, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         attn, T, D = layer.self_attn, s.shape[0], layer.self_attn.head_dim
         h = layer.input_layernorm(s, out_dtype=dtype)
@@ -37,7 +37,7 @@ class TorchBackend(Backend):
 
     def attention(
         self,
-        attn: Attention,
+        attn: AttentionModule,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -46,27 +46,27 @@ class TorchBackend(Backend):
     ) -> torch.Tensor:
         return paged_attention(q, k, v, positions, ctx, attn.layer, attn.scale, attn.window)
 
-    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayerModule, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         attn, T = layer.self_attn, s.shape[0]
         o = (rms(o, attn.eps) * torch.sigmoid(g.float())).to(o.dtype)  # O-norm, then sigmoid gate
         a = attn.o_proj(o.reshape(T, attn.num_heads * attn.head_dim))
         return layer.post_attention_residual_gate(s, rms(a, layer.post_norm_eps))  # weightless post-norm
 
-    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._ffn(layer, s, dtype)
 
-    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._ffn(layer, s, dtype)
 
     @staticmethod
-    def _ffn(layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _ffn(layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b = layer.mlp(layer.pre_feedforward_layernorm(s, out_dtype=dtype))  # DenseMlp or SparseMoeBlock
         return layer.post_feedforward_residual_gate(s, layer.post_feedforward_layernorm(b, out_dtype=torch.float32))
 
-    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: DecoderModel, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return model.norm(s, out_dtype=dtype)
 
-    def logits(self, model: MuseSparkForCausalLM, y: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: DecoderModel, y: torch.Tensor) -> torch.Tensor:
         cap = model.config.final_logit_softcapping
         # Vocab-parallel head: gather every rank's block (exact), drop the padding past V.
         x = model.parallel.gather_last_dim(model.lm_head(y))[..., : model.config.vocab_size]

@@ -19,6 +19,10 @@ beside the stream object it returned; the next step uses it when it receives tha
 object for that very norm and dtype, and computes the norm itself otherwise. The numbers
 are the same either way.
 
+The kernels take tensors and plain numbers only: this backend unpacks the modules (norm
+gains, gate coefficients, router and expert tensors) and the `AttentionContext`
+(`attention_args`) into them. What each kernel must equal is `triton_reference.py`.
+
 Formats other than dense experts, and tensor/pipeline parallel models, run the torch
 backend's code for the step (the experts) or are refused (parallel). On CPU the backend is
 constructible only under TRITON_INTERPRET=1 (the tests); there the kernels run in Triton's
@@ -34,19 +38,50 @@ from torch import nn
 
 from ..kernels import triton as triton_kernels
 from ..layers.attention import AttentionContext
+from ..layers.moe import ROUTER_EPS
 from ..layers.norm import RMSNorm
 from .base import Rotary
 from .torch_backend import TorchBackend
 
 if TYPE_CHECKING:
-    from ..model.muse_spark import Attention, DecoderLayer, MuseSparkForCausalLM
+    from .modules import AttentionModule, DecoderLayerModule, DecoderModel
+
+
+# The attention kernel's `cache` argument: k_cache, v_cache, slot_mapping, block_tables.
+PagedKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def step_lens(ctx: AttentionContext) -> tuple[list[int], list[int]]:
+    """The step's (query_start_loc [B+1], key_lens [B]) as the attention kernel takes them:
+    key_lens are the seq_lens with a paged cache, each sequence's query count without."""
+    qsl = list(ctx.query_start_loc)
+    if ctx.kv_caches is None:
+        return qsl, [qsl[b + 1] - qsl[b] for b in range(len(qsl) - 1)]
+    return qsl, list(ctx.seq_lens)
+
+
+def layer_cache(ctx: AttentionContext, layer: int) -> PagedKV | None:
+    """Decoder layer `layer`'s (k_cache, v_cache, slot_mapping, block_tables) in `ctx`; None
+    without a paged cache."""
+    if ctx.kv_caches is None:
+        return None
+    if ctx.groups is None or ctx.layer_group is None:
+        raise ValueError("ctx: a paged cache (kv_caches) needs its groups and layer_group")
+    group = ctx.groups[ctx.layer_group[layer]]
+    k_cache, v_cache = ctx.kv_caches[layer]
+    return k_cache, v_cache, group.slot_mapping, group.block_tables
+
+
+def attention_args(ctx: AttentionContext, layer: int) -> tuple[list[int], list[int], PagedKV | None]:
+    """`ctx` for decoder layer `layer` as the attention kernel's (query_start_loc, key_lens, cache)."""
+    return (*step_lens(ctx), layer_cache(ctx, layer))
 
 
 class TritonBackend(TorchBackend):
     name = "triton"
     supports_autograd = False
 
-    def __init__(self, model: MuseSparkForCausalLM) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         """Raises ValueError naming the reason when the kernels cannot run this model here."""
         if not triton_kernels.available():
             raise ValueError(
@@ -83,8 +118,9 @@ class TritonBackend(TorchBackend):
             nxt = model.layers[i + 1].input_layernorm if i + 1 < end else model.norm
             if nxt is not None:
                 self._next_norm[model.layers[i]] = nxt
-        # The last step's attention tables (its context object, and the tables made from it).
-        self._meta: tuple[AttentionContext, Any] | None = None
+        # The last step's attention tables (its context object, the tables made from it, and
+        # its query_start_loc and key_lens).
+        self._meta: tuple[AttentionContext, Any, list[int], list[int]] | None = None
         # (stream, norm, dtype, normed): the norm of the stream a step returned, computed with it.
         self._pending: tuple[torch.Tensor, RMSNorm, torch.dtype, torch.Tensor] | None = None
 
@@ -124,12 +160,12 @@ class TritonBackend(TorchBackend):
         return s2
 
     # -- the steps ----------------------------------------------------------------------------
-    def embed(self, model: MuseSparkForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, model: DecoderModel, input_ids: torch.Tensor) -> torch.Tensor:
         self._pending = None
         return self._k_norm.rms_norm(model.embed_tokens(input_ids), model.config.rms_norm_eps, None, torch.float32)
 
     def attn_in(
-        self, layer: DecoderLayer, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
+        self, layer: DecoderLayerModule, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         attn, T, D = layer.self_attn, s.shape[0], layer.self_attn.head_dim
         h = self._norm(s, layer.input_layernorm, dtype)
@@ -141,7 +177,7 @@ class TritonBackend(TorchBackend):
 
     def attention(
         self,
-        attn: Attention,
+        attn: AttentionModule,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -151,12 +187,14 @@ class TritonBackend(TorchBackend):
         group = attn.num_heads // attn.num_kv_heads
         cached = self._meta
         if cached is None or cached[0] is not ctx or cached[1].group != group:  # once per step, not per layer
-            self._meta = cached = (ctx, self._k_attention.attention_meta(ctx, group, q.device))
+            qsl, key_lens = step_lens(ctx)
+            self._meta = cached = (ctx, self._k_attention.attention_meta(qsl, key_lens, group, q.device), qsl, key_lens)
+        cache = layer_cache(ctx, attn.layer)
         return self._k_attention.paged_attention(
-            q, k, v, positions, ctx, attn.layer, attn.scale, attn.window, meta=cached[1]
+            q, k, v, positions, cached[2], cached[3], cache, attn.scale, attn.window, meta=cached[1]
         )
 
-    def attn_out(self, layer: DecoderLayer, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def attn_out(self, layer: DecoderLayerModule, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         attn, T = layer.self_attn, s.shape[0]
         o = self._k_ogate.o_norm_gate(o, g, attn.eps)
         a = attn.o_proj(o.reshape(T, attn.num_heads * attn.head_dim))
@@ -170,11 +208,11 @@ class TritonBackend(TorchBackend):
             o.dtype,
         )
 
-    def dense_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def dense_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b = layer.mlp(self._norm(s, layer.pre_feedforward_layernorm, dtype))
         return self._ffn_out(layer, s, b, dtype)
 
-    def moe_ffn(self, layer: DecoderLayer, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def moe_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         mlp = layer.mlp
         f = self._norm(s, layer.pre_feedforward_layernorm, dtype)
         experts = mlp.experts
@@ -188,6 +226,7 @@ class TritonBackend(TorchBackend):
             router.top_k,
             router.output_multiplier,
             router.routed_scaling_factor,
+            ROUTER_EPS,
         )
         u = self._k_norm.rms_norm(mlp.pre_expert_proj(f), pre.eps, pre.gain(), dtype)  # pooled [T, Hm]
         post = experts.post_expert_norm
@@ -196,12 +235,12 @@ class TritonBackend(TorchBackend):
         )  # [T, Hm] fp32
         return self._ffn_out(layer, s, mlp.post_expert_proj(y.to(f.dtype)), dtype)
 
-    def _ffn_out(self, layer: DecoderLayer, s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _ffn_out(self, layer: DecoderLayerModule, s: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         post = layer.post_feedforward_layernorm
         assert post.input_scaled
         return self._residual(
             s, b, layer.post_feedforward_residual_gate, post.eps, post, self._next_norm.get(layer), dtype
         )
 
-    def final_norm(self, model: MuseSparkForCausalLM, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def final_norm(self, model: DecoderModel, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._norm(s, model.norm, dtype)

@@ -235,7 +235,7 @@ def nvfp4_checkpoint(src: str | Path, scope: str = "linear", cache_dir: str | Pa
     """`src` quantized to NVFP4 (`musespark quantize --format nvfp4 --scope SCOPE`), made once
     and cached next to it (or in `cache_dir`). A random preset (no tokenizer) is calibrated on
     seeded random token ids."""
-    from ..quant.quantize import quantize_checkpoint
+    from ..apps.quantize import quantize_checkpoint
 
     src = Path(src)
     root = Path(cache_dir) if cache_dir is not None else src.parent

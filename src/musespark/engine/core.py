@@ -86,8 +86,9 @@ class EngineCore:
         self.executor = None
         if config.parallel.world_size > 1:  # tensor parallel: this process is rank 0 of the workers it spawns
             from ..parallel.executor import TensorParallelExecutor
+            from .parallel_worker import run_worker
 
-            self.executor = TensorParallelExecutor(config)
+            self.executor = TensorParallelExecutor(config, run_worker)
             backend = "torch" if settings.backend == "auto" else settings.backend
             self.model = load_model(
                 settings.path,

@@ -2,7 +2,9 @@
 samples), and it spawns tp * pp - 1 worker processes (`multiprocessing` "spawn") joined over
 gloo. Each step rank 0 broadcasts the model call's inputs (`StepInputs`: token ids,
 positions, slots, block tables, which rows to score), every rank runs the same forward on
-its shard, and the collectives inside give rank 0 the full logits (PARALLEL.md §9).
+its shard, and the collectives inside give rank 0 the full logits (PARALLEL.md §9). What a
+worker rank runs is the engine's loop (`engine/parallel_worker.py`), handed in by the engine:
+this module only makes the processes and the group.
 
 Several machines: launch one process per rank with torchrun (or anything that sets RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT); rank 0 serves, the others run worker loops (NCCL
@@ -26,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from .state import ParallelContext, init_parallel
 
 logger = logging.getLogger("musespark.parallel")
+WorkerLoop = Callable[[Any], None]  # a worker rank's loop, given the engine config
 _TIMEOUT = timedelta(minutes=10)  # loading a large shard can take minutes before the first collective
 
 
@@ -58,46 +62,25 @@ def launched_externally() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _worker(rank: int, world: int, port: int, config: Any) -> None:
-    """A spawned worker rank."""
+def _worker(rank: int, world: int, port: int, config: Any, worker_loop: WorkerLoop) -> None:
+    """A spawned worker rank: join the group, then run `worker_loop(config)`."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which stops us
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_TIMEOUT
     )
-    run_worker(config)
-
-
-def run_worker(config: Any) -> None:
-    """A worker rank in an initialized process group: load the shard, size the cache as rank
-    0 says, then run each step rank 0 broadcasts until it says stop."""
-    from ..engine.model_runner import ModelRunner
-    from ..model.load import load_model
-
-    p = config.parallel
-    par = init_parallel(p.tensor_parallel_size, p.pipeline_parallel_size, p.enable_expert_parallel)
-    model = load_model(
-        config.model.path, dtype=config.model.dtype, backend="torch", parallel=par, nvfp4_mode=config.model.nvfp4_mode
-    )
-    sizes = [None]
-    dist.broadcast_object_list(sizes, src=0)
-    runner = ModelRunner(
-        model, config.cache, config.scheduler.max_model_len, config.scheduler.max_num_seqs, num_blocks=sizes[0]
-    )
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            break
-        runner.forward(box[0])
-    dist.destroy_process_group()
+    worker_loop(config)
 
 
 class TensorParallelExecutor:
-    """Rank 0's side: spawn the workers, join the group, broadcast each step, watch them."""
+    """Rank 0's side: spawn the workers, join the group, broadcast each step, watch them.
 
-    def __init__(self, config: Any) -> None:
+    `worker_loop(config)` is what every other rank runs once the group is joined (the
+    engine's loop, `engine/parallel_worker.py`): a module-level function, since spawned
+    processes receive it by its qualified name."""
+
+    def __init__(self, config: Any, worker_loop: WorkerLoop) -> None:
         par = config.parallel
         self.world = par.world_size  # tensor_parallel_size * pipeline_parallel_size
         self.workers: list[Any] = []
@@ -112,13 +95,18 @@ class TensorParallelExecutor:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
             if rank != 0:
-                run_worker(config)
+                worker_loop(config)
                 raise SystemExit(0)  # a worker rank never serves: it ends with rank 0's stop
         else:
             port = _free_port()
             ctx = mp.get_context("spawn")
             self.workers = [
-                ctx.Process(target=_worker, args=(r, self.world, port, config), daemon=True, name=f"musespark-tp{r}")
+                ctx.Process(
+                    target=_worker,
+                    args=(r, self.world, port, config, worker_loop),
+                    daemon=True,
+                    name=f"musespark-tp{r}",
+                )
                 for r in range(1, self.world)
             ]
             for w in self.workers:

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.names import TensorSpec
-from ..layers.linear import linear
 from .format import ExpertsFormat, LinearFormat
+from .gemm import linear
 
 
 class DenseLinear(LinearFormat):

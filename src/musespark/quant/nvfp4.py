@@ -1,6 +1,6 @@
 """NVFP4 ("modelopt_fp4") weight formats: a linear layer and the fused 3-D experts stored as
-packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (/work/shared/NVFP4.md
-§2, §3), kept packed in memory and decoded on every product (a plain-torch reference).
+packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (NVFP4.md §2, §3),
+kept packed in memory and decoded on every product (a plain-torch reference).
 
 Two numerics modes, one per model:
 - "weight-only": each weight is decoded to fp32, rounded to the activation dtype and
@@ -23,8 +23,8 @@ from torch import nn
 from ..checkpoint.loader import find_weight_files
 from ..checkpoint.names import TensorSpec, to_relative
 from ..checkpoint.safetensors_file import SafetensorsFile
-from ..layers.linear import linear
 from .format import ExpertsFormat, LinearFormat
+from .gemm import linear
 from .nvfp4_math import BLOCK, dequantize, quantize_activation, unscaled_weight
 
 MODES = ("weight-only", "w4a4")

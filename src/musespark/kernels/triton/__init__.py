@@ -1,7 +1,9 @@
-"""Triton kernels for the decoder's boundaries, each beside the torch reference it must match.
+"""Triton kernels for the decoder's boundaries.
 
-One file per kernel; each holds the `@triton.jit` kernel, its typed launcher and a
-`reference_*` function that calls the torch reference formulas of `musespark.layers`:
+One file per kernel; each holds the `@triton.jit` kernel and its typed launcher, which takes
+tensors and plain numbers only (nothing of the model's: the triton backend unpacks the
+modules into them). What each must compute, the torch reference formulas in the launcher's
+signature, is `musespark.backends.triton_reference` (`reference_<kernel>`):
 
 * `norm_residual` — post-norm -> gated residual -> next pre-norm (and a plain RMSNorm)
 * `qk_norm_rope`  — per-head QK-norm, query scale, rotate-half RoPE, optional paged K/V write

@@ -11,19 +11,21 @@ nothing exactly, so a row's result does not depend on which tile (batch) it is i
 
 bf16 caches: probabilities are rounded to bf16 before the P·V product (the tensor-core
 form; done explicitly, so the interpreter computes the same numbers as a GPU).
-Without a cache (`kv_caches is None`) the keys are the batch's own k/v rows.
+Without a cache (`cache is None`) the keys are the batch's own k/v rows.
+
+The launchers take tensors and plain lists only; the triton backend unpacks the model's
+`AttentionContext` into them (`backends/triton_backend.py`, `attention_args`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ...layers.attention import AttentionContext
-from ...layers.attention import paged_attention as torch_paged_attention
 from ._common import check_device, dot_precision, dot_upcast, is_bf16, pow2, round_to
 
 
@@ -129,6 +131,9 @@ def _attention_kernel(
     )
 
 
+PagedKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # k_cache, v_cache, slot_mapping, block_tables
+
+
 @dataclass(frozen=True)
 class AttentionMeta:
     """A step's per-sequence tables on the device, shared by every layer of the step (one
@@ -143,11 +148,17 @@ class AttentionMeta:
     block_m: int
 
 
-def attention_meta(ctx: AttentionContext, group: int, device: torch.device, block_m: int = 16) -> AttentionMeta:
-    """The tables of `ctx` for `group` query heads per kv head, in one int32 copy to `device`."""
-    qsl = list(ctx.query_start_loc)
+def attention_meta(
+    query_start_loc: Sequence[int], key_lens: Sequence[int], group: int, device: torch.device, block_m: int = 16
+) -> AttentionMeta:
+    """The tables of a step, for `group` query heads per kv head, in one int32 copy to `device`.
+    query_start_loc [B+1]: row offsets of each sequence in the flat batch; key_lens [B]: the
+    keys each sequence attends over (its seq_len with a paged cache, its query count without)."""
+    qsl = list(query_start_loc)
     B = len(qsl) - 1
-    lens = list(ctx.seq_lens) if ctx.kv_caches is not None else [qsl[b + 1] - qsl[b] for b in range(B)]
+    lens = list(key_lens)
+    if len(lens) != B:
+        raise ValueError(f"key_lens has {len(lens)} entries; query_start_loc describes {B} sequences")
     seqs, firsts = [], []
     for b in range(B):
         for p0 in range(0, (qsl[b + 1] - qsl[b]) * group, block_m):
@@ -165,8 +176,9 @@ def paged_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     positions: torch.Tensor,
-    ctx: AttentionContext,
-    layer: int,
+    query_start_loc: Sequence[int],
+    key_lens: Sequence[int],
+    cache: PagedKV | None,
     scale: float,
     window: int | None,
     block_m: int = 16,
@@ -175,11 +187,12 @@ def paged_attention(
     meta: AttentionMeta | None = None,
 ) -> torch.Tensor:
     """The contract of `layers.attention.paged_attention` (q [T, nH, D], k/v [T, nKV, D],
-    positions [T]) -> o [T, nH, D] in q's dtype. With a paged cache the new k/v are written
-    at the layer group's slot_mapping first (skip with `write_cache=False` when already done),
-    and each sequence's keys are 0 .. seq_len-1 (position = index); without one, each
-    sequence attends over its own rows of k/v. `meta`: `attention_meta(ctx, ...)` made once
-    per step (made here when None)."""
+    positions [T]) -> o [T, nH, D] in q's dtype. `cache`: this layer's (k_cache, v_cache
+    [num_blocks, block_size, nKV, D], slot_mapping [T], block_tables [B, max_blocks]), or None.
+    With a cache the new k/v are written at slot_mapping first (skip with `write_cache=False`
+    when already done), and each sequence's keys are 0 .. key_lens[b]-1 (position = index);
+    without one, each sequence attends over its own rows of k/v. `meta`:
+    `attention_meta(query_start_loc, key_lens, ...)` made once per step (made here when None)."""
     from .qk_norm_rope import write_kv
 
     check_device(q)
@@ -190,21 +203,19 @@ def paged_attention(
     if T == 0:
         return out
     q, positions = q.contiguous(), positions.to(torch.int64).contiguous()
-    paged = ctx.kv_caches is not None
+    paged = cache is not None
     if paged:
-        assert ctx.groups is not None and ctx.layer_group is not None
-        group = ctx.groups[ctx.layer_group[layer]]
-        k_cache, v_cache = ctx.kv_caches[layer]
+        k_cache, v_cache, slot_mapping, block_tables = cache
         if write_cache:
-            write_kv(k, v, group.slot_mapping, k_cache, v_cache)
+            write_kv(k, v, slot_mapping, k_cache, v_cache)
         keys, values = k_cache, v_cache
-        tables = group.block_tables.contiguous()
+        tables = block_tables.contiguous()
         block_size, stride = k_cache.shape[1], tables.shape[1]
     else:
         keys, values = k.contiguous(), v.contiguous()
         tables, block_size, stride = positions, 1, 0
     if meta is None:
-        meta = attention_meta(ctx, nH // nKV, q.device, block_m)
+        meta = attention_meta(query_start_loc, key_lens, nH // nKV, q.device, block_m)
     assert meta.group == nH // nKV and meta.block_m == block_m
     if meta.tile_seq.numel() == 0:
         return out
@@ -239,17 +250,3 @@ def paged_attention(
         num_warps=4,
     )
     return out
-
-
-def reference_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    ctx: AttentionContext,
-    layer: int,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """`layers.attention.paged_attention` (writes the cache, then attends)."""
-    return torch_paged_attention(q, k, v, positions, ctx, layer, scale, window)

@@ -17,14 +17,10 @@ host-known bound (cdiv(N, BLOCK_M) + min(E, N)); tiles past the real count do no
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
 
-from ...layers.norm import input_scaled_rms_norm
-from ...quant.dense import DenseExperts
 from ._common import check_device, dot_precision, dot_upcast, interpreted, is_bf16, pow2, round_to
 
 
@@ -252,31 +248,4 @@ def moe_experts(
         BLOCK_H=pow2(Hm),
         num_warps=max(1, min(16, pow2(Hm) // 512)),
     )
-    return out
-
-
-def reference_moe_experts(
-    u: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    post_gain: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """`layers.moe.Experts.forward` for dense experts: each expert's SwiGLU (`DenseExperts.apply`),
-    the input-scaled post-norm, the weight, then each token's sum from its smallest expert id."""
-    experts = SimpleNamespace(gate_up_proj=gate_up, down_proj=down)
-    T, k = ids.shape
-    ids, perm = ids.sort(dim=1)
-    weights = weights.gather(1, perm)
-    z = torch.zeros(T, k, u.shape[1], dtype=torch.float32, device=u.device)
-    for e in ids.unique().tolist():
-        t, r = (ids == e).nonzero(as_tuple=True)
-        y = DenseExperts().apply(experts, e, u[t])
-        y = input_scaled_rms_norm(y, eps, post_gain, gain_center=0.0, out_dtype=torch.float32)
-        z[t, r] = y * weights[t, r, None]
-    out = z[:, 0]
-    for r in range(1, k):
-        out = out + z[:, r]
     return out

@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layers.norm import input_scaled_rms_norm, rms
-from ...layers.norm import rms_norm as torch_rms_norm
 from ._common import check_device, is_bf16, pow2, round_to
 
 
@@ -144,33 +142,3 @@ def rms_norm(
             num_warps=_warps(block),
         )
     return out
-
-
-def reference_norm_residual(
-    stream: torch.Tensor,
-    branch: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: torch.Tensor,
-    post_eps: float,
-    post_gain: torch.Tensor | None = None,
-    next_gain: torch.Tensor | None = None,
-    eps: float = 0.0,
-    out_dtype: torch.dtype | None = None,
-    next_norm: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The torch formulas `norm_residual` fuses (layers/norm.py)."""
-    if post_gain is None:
-        b = rms(branch, post_eps)  # weightless post-attention norm
-    else:
-        b = input_scaled_rms_norm(branch, post_eps, post_gain, gain_center=0.0, out_dtype=torch.float32)
-    s = alpha * stream + beta * b.float()  # ResidualGate.forward
-    if not next_norm:
-        return s, None
-    return s, torch_rms_norm(s, eps, next_gain, gain_center=0.0, out_dtype=out_dtype or branch.dtype)
-
-
-def reference_rms_norm(
-    x: torch.Tensor, eps: float, gain: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """`layers.norm.rms_norm` with the full gain as its weight."""
-    return torch_rms_norm(x, eps, gain, gain_center=0.0, out_dtype=out_dtype or x.dtype)

@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layers.norm import rms
 from ._common import check_device, is_bf16, pow2, round_to
 
 
@@ -35,8 +34,3 @@ def o_norm_gate(o: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
             o, g, out, D, float(eps), OUT_BF16=is_bf16(o.dtype), BLOCK_D=pow2(D), num_warps=1
         )
     return out
-
-
-def reference_o_norm_gate(o: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """TorchBackend.attn_out's first line: O-norm, then the sigmoid gate."""
-    return (rms(o, eps) * torch.sigmoid(g.float())).to(o.dtype)

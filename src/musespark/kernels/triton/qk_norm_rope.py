@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layers.rotary import norm_rope
 from ._common import check_device, is_bf16, pow2, round_to
 
 
@@ -159,24 +158,3 @@ def write_kv(
             BLOCK_D=pow2(D),
             num_warps=1,
         )
-
-
-def reference_qk_norm_rope(
-    x: torch.Tensor,
-    eps: float,
-    scale: float,
-    rotary: tuple[torch.Tensor, torch.Tensor] | None,
-    out_dtype: torch.dtype,
-    v: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`layers.rotary.norm_rope`, then the cache write of `layers.attention.paged_attention`."""
-    y = norm_rope(x, eps, scale, rotary, out_dtype)
-    if k_cache is not None:
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, y[keep].to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
-    return y

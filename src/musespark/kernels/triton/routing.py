@@ -2,7 +2,7 @@
 
     r = (x W^T) * output_multiplier        x [T, H] (widened to fp32), W [E, H] fp32
     p = sigmoid(r);  chosen = top-k of p + bias (ties: the lower expert id)
-    w = p[chosen] / (sum p[chosen] + 1e-15) * routed_scaling_factor
+    w = p[chosen] / (sum p[chosen] + router_eps) * routed_scaling_factor
 
 Returns (w [T, k] fp32, ids [T, k] int64) with each token's ids in increasing order (the
 order the experts kernel sums in). The bias only picks experts; it never enters w.
@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...layers.moe import ROUTER_EPS, route
 from ._common import check_device, pow2
 
 
@@ -79,11 +78,13 @@ def route_topk(
     top_k: int,
     output_multiplier: float,
     routed_scaling_factor: float,
+    router_eps: float,
     block_t: int = 16,
     block_h: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (any float dtype), router_weight [E, H] fp32, bias [E] fp32 ->
-    (weights [T, k] fp32, ids [T, k] int64, ids increasing along k)."""
+    (weights [T, k] fp32, ids [T, k] int64, ids increasing along k). `router_eps` is added to
+    the sum of the chosen scores (the model's: `layers.moe.ROUTER_EPS`)."""
     check_device(x)
     T, H = x.shape
     E = router_weight.shape[0]
@@ -104,7 +105,7 @@ def route_topk(
             E,
             float(output_multiplier),
             float(routed_scaling_factor),
-            ROUTER_EPS,
+            float(router_eps),
             K=top_k,
             BLOCK_T=block_t,
             BLOCK_H=pow2(min(block_h, H)),
@@ -112,17 +113,3 @@ def route_topk(
             num_warps=4,
         )
     return weights, ids
-
-
-def reference_route(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    bias: torch.Tensor,
-    top_k: int,
-    output_multiplier: float,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`layers.moe.route`, with each token's (weight, id) pairs sorted by id."""
-    weights, ids = route(x, router_weight, bias, top_k, output_multiplier, routed_scaling_factor)
-    ids, order = ids.sort(dim=1)
-    return weights.gather(1, order), ids
