@@ -20,8 +20,9 @@ PACKAGE = "musespark"
 ROOT_UNIT = "__init__"
 
 # Top to bottom. Why this order:
-# * applications first: `__main__` runs `cli`, which runs `plan` (plan_cli), the benchmarks
-#   (`bench`), the server and the quantize tool (`apps`); the benchmarks quantize presets.
+# * applications first: `__main__` runs `cli`, whose sub-commands live beside it (generate_cli,
+#   serve_cli, plan_cli); they run the benchmarks (`bench`), the server and the quantize tool
+#   (`apps`); the benchmarks quantize presets.
 # * the package root re-exports the offline API (engine, model, config) and holds
 #   `__version__`, which the server and the benchmarks report.
 # * `engine` drives everything below; `structured` (grammar masks) and `parsers` (tool and
@@ -34,7 +35,7 @@ ROOT_UNIT = "__init__"
 ORDER: list[tuple[str, ...]] = [
     ("__main__",),
     ("cli",),
-    ("plan_cli",),
+    ("generate_cli", "serve_cli", "plan_cli"),
     ("bench", "server"),
     ("apps",),
     (ROOT_UNIT,),
