@@ -22,8 +22,9 @@ from musespark.engine.spec_decode.proposer import Proposal, ProposalRequest, Pro
 from musespark.layers.attention import AttentionContext
 from musespark.layers.rotary import apply_rotary, cos_sin, inv_frequencies
 from musespark.model import MuseSparkForCausalLM, init_random_weights
-from musespark.model.dspark import DraftCache, DSparkDraft, cached_attend
+from musespark.model.dspark import DSparkDraft
 from musespark.model.dspark_config import DSparkConfig, gain_center
+from musespark.model.dspark_kv import DraftSeq, PagedDraftKV
 from musespark.model.dspark_layers import DraftNorm, GatedAdd, attention_scores, interleaved_rope, position_mask
 from musespark.model.dspark_loader import load_draft, save_draft, target_forward_with_aux
 
@@ -331,6 +332,30 @@ def monolithic_logits(model: DSparkDraft, embed, aux, p0: int, anchor: int, n: i
     return model.lm_head(model.block_hidden(tokens, pos, embed, attend))
 
 
+class PagedCache:
+    """One request's draft context in a paged cache, its blocks in shuffled order."""
+
+    def __init__(self, model: DSparkDraft, num_blocks: int = 64, block_size: int = 4) -> None:
+        self.kv = PagedDraftKV.allocate(model, num_blocks, block_size, "cpu")
+        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(num_blocks)).tolist()
+        self.seq = DraftSeq()
+
+    def fill(self, value: float | None = None, std: float = 1.0) -> None:
+        for k, v in self.kv.caches:
+            for t in (k, v):
+                t.fill_(value) if value is not None else t.normal_(0, std)
+
+    def write(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n = kv[0][0].shape[0]
+        self.seq.advance(start, n)
+        slots = torch.tensor(self.kv.slots(self.table, range(start, start + n)))
+        for layer, (k, v) in enumerate(kv):
+            self.kv.store(layer, slots, k, v)
+
+    def attend(self, model: DSparkDraft, positions: torch.Tensor):
+        return self.kv.attend(model, [self.table], [self.seq], positions)
+
+
 def test_incremental_cache_equals_monolithic_over_many_steps():
     torch.manual_seed(8)
     cfg = make_cfg(global_attn_cfg=(6, 0))  # layer 0 (global 4) sliding window 6, layer 1 full
@@ -338,9 +363,8 @@ def test_incremental_cache_equals_monolithic_over_many_steps():
     embed = torch.randn(64, 32)
     total, N = 200, 5
     aux = torch.randn(total, 96)
-    cache = DraftCache.empty(model, capacity=4)
-    cache.k.fill_(float("nan"))  # an unwritten slot read anywhere would poison the output
-    cache.v.fill_(float("nan"))
+    cache = PagedCache(model)
+    cache.fill(float("nan"))  # an unwritten slot read anywhere would poison the output
     p0 = 11
     with torch.no_grad():
         cache.write(0, model.context_kv(aux[:p0], torch.arange(p0)))  # prefill
@@ -349,10 +373,10 @@ def test_incremental_cache_equals_monolithic_over_many_steps():
             anchor = int(torch.randint(64, ()))
             pos = torch.arange(p0, p0 + N)[None]
             tokens = torch.tensor([[anchor] + [cfg.mask_token_id] * (N - 1)])
-            got = model.lm_head(model.block_hidden(tokens, pos, embed, cached_attend(model, [cache], pos)))[0]
+            got = model.lm_head(model.block_hidden(tokens, pos, embed, cache.attend(model, pos)))[0]
             want = monolithic_logits(model, embed, aux, p0, anchor, N)
             assert torch.allclose(got, want, atol=1e-4), (steps, (got - want).abs().max())
-            assert cache.length == p0  # the block starts right after the last context position
+            assert cache.seq.length == p0  # the block starts right after the last context position
             # target verifies anchor + N drafts (N+1 rows, written speculatively), then k are accepted
             k = int(torch.randint(0, N + 1, ()))
             cache.write(
@@ -418,14 +442,14 @@ def test_proposer_positions_and_rollback():
     assert prop.propose([ProposalRequest("s", ids[:10], 0, aux[:5], 0)])[0].token_ids == []  # prefill chunk
     prop.propose([ProposalRequest("s", ids[:10], 7, aux[7:9], 3)])  # positions 5, 6 never given: a gap
     assert spy.calls[-1] == ([[9, 10, 11, 12]], [ids[9]])
-    assert prop._caches["s"].gaps and prop._caches["s"].known[:9].tolist() == [True] * 5 + [False] * 2 + [True] * 2
+    assert prop._seqs["s"].gaps == [(5, 7)] and prop._seqs["s"].known(9) == [0, 1, 2, 3, 4, 7, 8]
     prop.propose([ProposalRequest("s", ids[:10], 5, aux[5:9], 3)])  # filled later: no gap
-    assert not prop._caches["s"].gaps
+    assert not prop._seqs["s"].gaps
     with pytest.raises(ValueError, match="no anchor"):
         prop.propose([ProposalRequest("s", ids[:10], 5, aux[5:10], 3)])
     prop.drop("r")
     prop.drop("fresh")
-    assert set(prop._caches) == {"s"}
+    assert set(prop._seqs) == {"s"}
 
 
 def test_gap_positions_are_never_attended():
@@ -433,16 +457,13 @@ def test_gap_positions_are_never_attended():
     the monolithic reference over the known positions only."""
     model = random_draft(make_cfg(), seed=20)
     embed, aux = torch.randn(64, 32), torch.randn(40, 96)
-    cache = DraftCache.empty(model)
-    cache.k.normal_(0, 100)  # junk where nothing was written (finite: masked weights are 0, 0 * nan is not)
-    cache.v.normal_(0, 100)
+    cache = PagedCache(model)
+    cache.fill(std=100.0)  # junk where nothing was written (finite: masked weights are 0, 0 * nan is not)
     with torch.no_grad():
         cache.write(12, model.context_kv(aux[12:30], torch.arange(12, 30)))
         pos = torch.arange(30, 34)
         tokens = torch.tensor([9, 5, 5, 5])
-        got = model.lm_head(
-            model.block_hidden(tokens[None], pos[None], embed, cached_attend(model, [cache], pos[None]))
-        )
+        got = model.lm_head(model.block_hidden(tokens[None], pos[None], embed, cache.attend(model, pos[None])))
         ctx = model.context_kv(aux[12:30], torch.arange(12, 30))
 
         def attend(i, q, k, v):
@@ -650,7 +671,7 @@ def test_bf16_draft_and_dflash_layout(tmp_path):
         a = monolithic_logits(load_draft(path, L_T, dtype=torch.float32), embed, aux, 20, 7, 4)
         b16 = load_draft(path, L_T, dtype=torch.bfloat16)
         b = monolithic_logits(b16, embed.bfloat16(), aux, 20, 7, 4)
-    assert b.dtype == torch.bfloat16 and DraftCache.empty(b16).k.dtype == torch.bfloat16
+    assert b.dtype == torch.bfloat16 and PagedDraftKV.allocate(b16, 2, 4, "cpu").caches[0][0].dtype == torch.bfloat16
     assert float(torch.nn.functional.cosine_similarity(a, b.float(), dim=-1).min()) > 0.98
     target = random_target()
     draft = random_draft(make_cfg(sample_from_anchor=False), seed=23)

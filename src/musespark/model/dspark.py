@@ -13,13 +13,13 @@ Module and parameter names equal the checkpoint names of §3 (without `model.`),
 `state_dict()` is the checkpoint. Dtypes: weights and matmuls in D (the target's dtype), the
 residual stream in R (`residual_dtype`), norms in fp32 rounded once, logits fp32; the
 confidence head is fp32. Every function takes arbitrary leading dims (`*B`), so the same code
-serves inference (flat rows) and training (batched sequences).
+serves inference (flat rows) and training (batched sequences). Where the context K/V live at
+inference (paged, in the engine's KV budget): `dspark_kv.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +30,9 @@ from .dspark_layers import (
     DraftNorm,
     FeedForward,
     GatedAdd,
-    attention_scores,
     derived_weight,
     head_rms,
     interleaved_rope,
-    position_mask,
     rope_table,
 )
 
@@ -349,75 +347,3 @@ class DSparkDraft(nn.Module):
         logits = logits.float() * cfg.output_multiplier
         tau = cfg.output_soft_cap_temp
         return tau * torch.tanh(logits / tau) if tau else logits
-
-
-@dataclass
-class DraftCache:
-    """One request's context K/V: k, v [L, capacity, nkv, hd] in D. Positions [0, length) hold
-    target-derived K/V (never block scratch), except positions the proposer was never given
-    rows for (a gap, e.g. a prefix-cache hit of the target): `known` [capacity] marks them
-    False and attention skips them. Grown by doubling, truncated on rollback."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    known: torch.Tensor
-    length: int = 0
-    gaps: bool = False
-
-    @classmethod
-    def empty(cls, draft: DSparkDraft, capacity: int = 64, device: torch.device | str = "cpu") -> DraftCache:
-        cfg = draft.config
-        shape = (cfg.num_hidden_layers, capacity, cfg.kv_heads, cfg.head_dim)
-        return cls(
-            torch.zeros(shape, dtype=draft.dtype, device=device),
-            torch.zeros(shape, dtype=draft.dtype, device=device),
-            torch.zeros(capacity, dtype=torch.bool, device=device),
-        )
-
-    def write(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Invalidate positions >= start, then store kv (per layer [n, nkv, hd]) at [start, start+n).
-        Positions between the old length and `start` become a gap (unknown, never attended)."""
-        self.prepare(start, kv[0][0].shape[0] if kv else 0)
-        for i, (k, v) in enumerate(kv):
-            self.put(i, start, k, v)
-
-    def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's rows [n, nkv, hd] at [start, start+n) (after `prepare`)."""
-        self.k[layer, start : start + k.shape[0]] = k
-        self.v[layer, start : start + k.shape[0]] = v
-
-    def prepare(self, start: int, n: int) -> None:
-        """Make [start, start+n) the last known positions (rows to follow through `put`)."""
-        end = start + n
-        if end > self.k.shape[1]:
-            cap = max(end, 2 * self.k.shape[1])
-            grow = (self.k.shape[0], cap - self.k.shape[1], *self.k.shape[2:])
-            self.k = torch.cat((self.k, self.k.new_zeros(grow)), 1)
-            self.v = torch.cat((self.v, self.v.new_zeros(grow)), 1)
-            self.known = torch.cat((self.known, self.known.new_zeros(cap - self.known.shape[0])))
-        if start > self.length:
-            self.known[self.length : start] = False
-        self.known[start:end] = True
-        self.length = end
-        self.gaps = not bool(self.known[:end].all())
-
-
-def cached_attend(draft: DSparkDraft, caches: list[DraftCache], positions: torch.Tensor) -> Attend:
-    """Attention for a batch of blocks [B, Q]: request b's queries see its known context K/V at
-    [0, length_b) (all below its block start P0_b = length_b) and its own block causally."""
-    scale = draft.attention_scale()
-
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = []
-        for b, cache in enumerate(caches):
-            n = cache.length
-            keys = torch.cat((cache.k[layer, :n], k[b]))
-            values = torch.cat((cache.v[layer, :n], v[b]))
-            k_pos = torch.cat((torch.arange(n, device=q.device), positions[b]))
-            mask = position_mask(positions[b], k_pos, draft.layers[layer].window)
-            if cache.gaps:
-                mask[:, :n] &= cache.known[:n]
-            out.append(attention_scores(q[b], keys, values, mask, scale))
-        return torch.stack(out)
-
-    return attend
