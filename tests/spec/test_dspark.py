@@ -20,12 +20,13 @@ from musespark.config import ModelConfig
 from musespark.engine.spec_decode.dspark import DSparkProposer
 from musespark.engine.spec_decode.proposer import Proposal, ProposalRequest, Proposer
 from musespark.layers.attention import AttentionContext
-from musespark.layers.rotary import apply_rotary, cos_sin, inv_frequencies
+from musespark.layers.norm import RMSNorm
+from musespark.layers.rotary import apply_rotary, apply_rotary_interleaved, cos_sin, inv_frequencies
 from musespark.model import MuseSparkForCausalLM, init_random_weights
 from musespark.model.dspark import DSparkDraft
 from musespark.model.dspark_config import DSparkConfig, gain_center
 from musespark.model.dspark_kv import DraftSeq, PagedDraftKV
-from musespark.model.dspark_layers import DraftNorm, GatedAdd, attention_scores, interleaved_rope, position_mask
+from musespark.model.dspark_layers import attention_scores, draft_norm, interleaved_rope, position_mask, residual_gate
 from musespark.model.dspark_loader import load_draft, save_draft, target_forward_with_aux
 
 L_T = 4
@@ -118,15 +119,15 @@ def test_norms_match_hand_formulas():
     eps = 1e-5
     inv = 1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     for center in (0.0, 1.0, 0.25):
-        n = DraftNorm(16, eps, affine=True, center=center)
+        n = draft_norm(16, eps, True, center)
         n.weight.data.copy_(w)
         assert torch.allclose(n(x, torch.float32), x * inv * (w + center), atol=1e-6)
-        s = DraftNorm(16, eps, affine=True, center=center, input_scaled=True)
+        s = draft_norm(16, eps, True, center, input_scaled=True)
         s.weight.data.copy_(w)
         z = x * (w + center)
         assert torch.allclose(s(x, torch.float32), z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps), atol=1e-5)
-    assert torch.allclose(DraftNorm(16, eps, affine=False)(x, torch.float32), x * inv, atol=1e-6)
-    assert DraftNorm(16, eps, affine=True)(x.bfloat16(), torch.bfloat16).dtype == torch.bfloat16
+    assert torch.allclose(draft_norm(16, eps, False)(x, torch.float32), x * inv, atol=1e-6)
+    assert draft_norm(16, eps, True)(x.bfloat16(), torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_gain_centres_and_global_layer_index():
@@ -140,17 +141,17 @@ def test_gain_centres_and_global_layer_index():
     model = DSparkDraft(cfg, L_T)
     for i, layer in enumerate(model.layers):
         ell = L_T + i
-        assert layer.post_attn_norm.center == 1 / (2 * ell + 2)
-        assert layer.post_ffn_norm.center == 1 / (2 * ell + 3)
-        assert layer.pre_ffn_norm.center == layer.self_attn.pre_qkv_proj_norm.center == 1.0
-    assert model.norm.center == model.hidden_norm.center == 1.0
+        assert layer.post_attn_norm.gain_center == 1 / (2 * ell + 2)
+        assert layer.post_ffn_norm.gain_center == 1 / (2 * ell + 3)
+        assert layer.pre_ffn_norm.gain_center == layer.self_attn.pre_qkv_proj_norm.gain_center == 1.0
+    assert model.norm.gain_center == model.hidden_norm.gain_center == 1.0
     plain = DSparkDraft(make_cfg(), L_T)
-    assert plain.layers[0].post_attn_norm.center == 0.0  # not zero-centred: gain = w
+    assert plain.layers[0].post_attn_norm.gain_center == 0.0  # not zero-centred: gain = w
 
 
 def test_gated_residual():
     g = torch.Generator().manual_seed(2)
-    add = GatedAdd(16)
+    add = residual_gate(16)
     add.gate.data.copy_(torch.randn(16, generator=g))
     s, b = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
     w = add.gate / 0.3
@@ -194,8 +195,8 @@ def reference_layer(layer, s, pos, ctx_k, ctx_v, ctx_pos, cfg: DSparkConfig):
 
     def norm(n, x):
         if n.input_scaled:
-            return rmsn(x * (n.weight + n.center), n.eps)
-        return rmsn(x, n.eps) * (n.weight + n.center if n.weight is not None else 1.0)
+            return rmsn(x * (n.weight + n.gain_center), n.eps)
+        return rmsn(x, n.eps) * (n.weight + n.gain_center if n.weight is not None else 1.0)
 
     a, nh, nkv, hd = layer.self_attn, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
     u = norm(a.pre_qkv_proj_norm, s)
@@ -760,3 +761,31 @@ def test_bundled_draft_loads_and_is_lossless():
     got, accepted = speculative_greedy(target, prop, prompt, 24, 7)
     assert got == target.greedy_continuation(prompt, 24)
     assert sum(accepted) > 0
+
+
+def test_layers_interleaved_rotation_rotates_adjacent_pairs():
+    """layers.rotary.apply_rotary_interleaved (the draft's RoPE): pair (x_2m, x_2m+1) turned by
+    frequency m's angle; equal to rotate-half on the same values with the halves de-interleaved."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 8, generator=g)
+    pos = torch.tensor([0, 1, 7, 30, 511])
+    cos, sin = cos_sin(pos, inv_frequencies(10000.0, 8))
+    got = apply_rotary_interleaved(x, cos, sin)
+    ang = pos[:, None].float() * inv_frequencies(10000.0, 8)[None, :]  # [5, 4]
+    a, b = x[..., 0::2], x[..., 1::2]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    assert torch.allclose(got[..., 0::2], a * c - b * s, atol=1e-6)
+    assert torch.allclose(got[..., 1::2], b * c + a * s, atol=1e-6)
+    want = apply_rotary(torch.cat((a, b), -1), cos, sin)  # the same pairs in rotate-half order
+    assert torch.allclose(torch.cat((got[..., 0::2], got[..., 1::2]), -1), want, atol=1e-6)
+    assert torch.equal(got[0], x[0])  # position 0: no rotation
+
+
+def test_weightless_rms_norm_option():
+    """layers.norm.RMSNorm(affine=False): no weight, no gain; input_scaled needs a weight."""
+    n = RMSNorm(8, 1e-5, gain_center=0.0, affine=False)
+    x = torch.randn(3, 8)
+    assert n.weight is None and n.gain() is None and "weight" not in n.state_dict()
+    assert torch.allclose(n(x, torch.float32), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), atol=1e-6)
+    with pytest.raises(ValueError, match="input_scaled"):
+        RMSNorm(8, 1e-5, input_scaled=True, affine=False)
