@@ -48,8 +48,13 @@ MARKOV_TABLE_MAX = 1 << 24  # entries of the precomputed Markov bias table (64 M
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DSparkConfig, center: float) -> None:
+    """Projections of one draft layer; `layer`, `scale` and `window` are what a backend's
+    paged attention reads (`Backend.attention`)."""
+
+    def __init__(self, cfg: DSparkConfig, center: float, layer: int, window: int | None) -> None:
         super().__init__()
+        self.layer, self.window = layer, window
+        self.scale = cfg.q_scale / cfg.head_dim**0.5
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
         self.q_proj = dense_linear(H, nh * hd)
         self.k_proj = dense_linear(H, nkv * hd)
@@ -74,7 +79,7 @@ class DraftLayer(nn.Module):
             )
         self.cfg, self.index, self.ell = cfg, index, ell
         self.window = cfg.layer_window(ell)
-        self.self_attn = DraftAttention(cfg, 1.0 if zc else 0.0)
+        self.self_attn = DraftAttention(cfg, 1.0 if zc else 0.0, index, self.window)
         post = cfg.post_norm_gain_center_type
 
         def center(rid: int) -> float:

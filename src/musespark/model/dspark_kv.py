@@ -9,8 +9,9 @@ K/V, except its gaps (positions it was never given rows for, e.g. a prefix-cache
 target), which attention never reads. A block pass of Q queries at positions [P0, P0 + Q)
 (P0 = length) writes their K/V there as scratch, so the table must reach P0 + Q (the
 engine's draft group holds that lookahead); queries see [0, P0) and their block causally.
-Requests without gaps attend through the torch backend's paged attention
-(`layers.attention.paged_attention`), the others through an explicit key list.
+Requests without gaps attend through the target's backend (`Backend.attention`, the paged
+attention path its own layers take; the torch reference `layers.attention.paged_attention`
+without one), the others through an explicit key list.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..backends.base import Backend
 from ..layers.attention import AttentionContext, KVGroup, paged_attention
 from .dspark import Attend, DSparkDraft
 
@@ -88,9 +90,15 @@ class PagedDraftKV:
         v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
 
     def attend(
-        self, draft: DSparkDraft, tables: list[list[int]], seqs: list[DraftSeq], positions: torch.Tensor
+        self,
+        draft: DSparkDraft,
+        tables: list[list[int]],
+        seqs: list[DraftSeq],
+        positions: torch.Tensor,
+        backend: Backend | None = None,
     ) -> Attend:
-        """Attention for a batch of blocks at positions [B, Q] (row b starts at seqs[b].length)."""
+        """Attention for a batch of blocks at positions [B, Q] (row b starts at seqs[b].length),
+        through `backend` (None: the torch reference)."""
         B, Q = positions.shape
         device, scale = positions.device, draft.attention_scale()
         p0 = positions[:, 0].tolist()
@@ -131,7 +139,10 @@ class PagedDraftKV:
             if ctx is not None:
                 flat = [t.index_select(0, plain_t).flatten(0, 1) for t in (q, k, v)]
                 pos = positions.index_select(0, plain_t).flatten()
-                o = paged_attention(*flat, pos, ctx, layer, scale, window)
+                if backend is not None:
+                    o = backend.attention(draft.layers[layer].self_attn, *flat, pos, ctx)
+                else:
+                    o = paged_attention(*flat, pos, ctx, layer, scale, window)
                 out[plain_t] = o.view(len(plain), Q, *o.shape[1:])
             for b in gapped:
                 slots, k_pos, own = keys[b]

@@ -183,7 +183,13 @@ class DSparkProposer(Proposer):
         tokens[:, 0] = anchor_t
         embed = self.target.embed_tokens.weight
         kv = tables[want[0]][0]
-        attend = kv.attend(draft, [tables[i][1] for i in want], [seqs[i] for i in want], positions)
+        attend = kv.attend(
+            draft,
+            [tables[i][1] for i in want],
+            [seqs[i] for i in want],
+            positions,
+            getattr(self.target, "backend", None),
+        )
         y = draft.block_hidden(tokens, positions, embed, attend, context)
         y = y[:, nq - N :]  # row k predicts position P0 + k + 1
         sample = None if self.method == "greedy" else self._sampler([requests[i] for i in want], starts)
