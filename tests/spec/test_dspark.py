@@ -443,7 +443,7 @@ def test_proposer_positions_and_rollback():
     assert prop.propose([ProposalRequest("s", ids[:10], 0, aux[:5], 0)])[0].token_ids == []  # prefill chunk
     prop.propose([ProposalRequest("s", ids[:10], 7, aux[7:9], 3)])  # positions 5, 6 never given: a gap
     assert spy.calls[-1] == ([[9, 10, 11, 12]], [ids[9]])
-    assert prop._seqs["s"].gaps == [(5, 7)] and prop._seqs["s"].known(9) == [0, 1, 2, 3, 4, 7, 8]
+    assert prop._seqs["s"].gaps == [(5, 7)] and prop._seqs["s"].known(9).tolist() == [0, 1, 2, 3, 4, 7, 8]
     prop.propose([ProposalRequest("s", ids[:10], 5, aux[5:9], 3)])  # filled later: no gap
     assert not prop._seqs["s"].gaps
     with pytest.raises(ValueError, match="no anchor"):

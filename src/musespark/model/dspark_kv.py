@@ -40,12 +40,12 @@ class DraftSeq:
             self.gaps.append((self.length, start))
         self.length = start + n
 
-    def known(self, end: int) -> list[int]:
-        """Positions in [0, end) that hold K/V."""
-        holes = set()
+    def known(self, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Positions in [0, end) that hold K/V, ascending (int64)."""
+        keep = torch.ones(end, dtype=torch.bool, device=device)
         for lo, hi in self.gaps:
-            holes.update(range(lo, hi))
-        return [p for p in range(end) if p not in holes]
+            keep[lo:hi] = False
+        return torch.arange(end, device=device)[keep]
 
 
 class PagedDraftKV:
@@ -125,13 +125,13 @@ class PagedDraftKV:
         plain_t = torch.tensor(plain, device=device)
         # requests with gaps: the known context's slots and positions, then the block's
         keys = {}
+        bs = self.block_size
         for b in gapped:
-            known = seqs[b].known(p0[b])
-            keys[b] = (
-                torch.tensor(self.slots(tables[b], known) + scratch[b], device=device),
-                torch.tensor(known + list(range(p0[b], p0[b] + Q)), device=device),
-                torch.tensor(scratch[b], device=device),
-            )
+            known = seqs[b].known(p0[b], device)  # their blocks exist: they were written
+            table = torch.tensor(tables[b], dtype=torch.int64, device=device)
+            own = torch.tensor(scratch[b], device=device)
+            slots = table[known // bs] * bs + known % bs
+            keys[b] = (torch.cat((slots, own)), torch.cat((known, positions[b])), own)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             window = draft.layers[layer].window
