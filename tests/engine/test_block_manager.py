@@ -498,3 +498,45 @@ def test_block_tables_drive_paged_attention():
     m.free("b")
     m.check_invariants()
     assert m.pool.num_used_blocks == 0
+
+
+def test_draft_group_holds_lookahead_and_is_never_prefix_cached():
+    """A draft group (group_lookahead not None) holds `lookahead` positions past the target's,
+    is never hashed, starts with NULL entries on a prefix hit, and is freed with the request."""
+    m = KVCacheManager(num_blocks=40, block_size=BS, group_windows=[None, None], group_lookahead=[None, 5])
+    tokens = list(range(200, 230))
+    assert grow(m, "a", tokens, 0, 9)
+    assert len(m.block_table("a", 0)) == 3 and len(m.block_table("a", 1)) == math.ceil((9 + 5) / BS)
+    assert all(key[0] == 0 for key in m.pool._cached)  # only the target group registers blocks
+    m.free("a")
+    m.check_invariants()
+    hit = m.get_computed_blocks("b", tokens[:13])
+    assert hit == 8  # the target's two full blocks; the draft group is not asked for any
+    assert m.allocate_slots("b", tokens[:13], hit, 5)
+    m.check_invariants()
+    draft = m.block_table("b", 1)
+    assert draft[:2] == [NULL_BLOCK, NULL_BLOCK] and len(draft) == math.ceil((13 + 5) / BS)
+    assert all(b != NULL_BLOCK for b in draft[2:])
+    m.free("b")
+    assert m.pool.num_used_blocks == 0
+
+
+def test_draft_group_runs_out_with_the_target():
+    """All-or-nothing over the draft group too: a request whose draft lookahead does not fit
+    gets no blocks at all."""
+    m = KVCacheManager(num_blocks=5, block_size=BS, group_windows=[None, None], group_lookahead=[None, 8])
+    before = snapshot(m)
+    assert not m.allocate_slots("a", list(range(12)), 0, 12)  # 3 target + 5 draft blocks > 5
+    assert snapshot(m) == before
+    assert m.allocate_slots("a", list(range(4)), 0, 4)  # 1 + 3
+    assert m.num_free_blocks == 1
+    with pytest.raises(ValueError, match="group_lookahead"):
+        KVCacheManager(num_blocks=5, block_size=BS, group_windows=[None], group_lookahead=[3])
+    with pytest.raises(ValueError, match="group_lookahead"):
+        KVCacheManager(num_blocks=5, block_size=BS, group_windows=[None, None], group_lookahead=[None])
+
+
+def test_num_blocks_for_budget_counts_extra_bytes():
+    assert num_blocks_for_budget(768 * 10, 4, 3, 2, 8, 2, extra_bytes_per_block=256) == 7
+    with pytest.raises(ValueError, match="extra_bytes_per_block"):
+        num_blocks_for_budget(768, 4, 3, 2, 8, 2, extra_bytes_per_block=-1)

@@ -40,6 +40,7 @@ def make_scheduler(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 64,
     max_model_len: int = 1024,
+    group_lookahead: Sequence[int | None] | None = None,
 ) -> tuple[Scheduler, KVCacheManager]:
     """A scheduler and its KV cache manager (the `kv` the tests inspect)."""
     config = SchedulerConfig(
@@ -52,7 +53,7 @@ def make_scheduler(
         enable_prefix_caching=enable_prefix_caching,
     )
     if "num_blocks" in inspect.signature(Scheduler).parameters:  # the scheduler owns its manager
-        sched = Scheduler(config, cache, num_blocks, list(group_windows))
+        sched = Scheduler(config, cache, num_blocks, list(group_windows), group_lookahead)
         kv = sched.kv_cache_manager
     else:
         kv = KVCacheManager(
@@ -327,6 +328,30 @@ def test_preemption_newest_first_and_nothing_lost(prefix_caching):
         assert h.reqs[rid].output_token_ids == ref.reqs[rid].output_token_ids
         assert len(h.reqs[rid].output_token_ids) == m
     assert h.kv.num_free_blocks == 8
+
+
+def test_draft_group_shares_the_pool_and_preempts():
+    """A draft KV group (group_lookahead: a drafter's own K/V, `lookahead` positions past the
+    target's) draws from the same pool: where the target alone fits, the same requests are
+    preempted instead of the draft growing past the pool, and every output is unchanged."""
+    specs = [(rid, prompt(10 * i, 4), 8) for i, rid in enumerate("ABCD")]
+    alone = Harness(num_blocks=16, enable_prefix_caching=False)
+    for rid, p, m in specs:
+        alone.add(rid, p, m)
+    alone.run()
+    assert alone.sched.num_preemptions == 0  # 4 requests x 3 blocks
+    h = Harness(num_blocks=16, enable_prefix_caching=False, group_windows=(None, None), group_lookahead=(None, 4))
+    for rid, p, m in specs:
+        h.add(rid, p, m)
+    while h.sched.has_unfinished():
+        batch = h.schedule()
+        for r, n in zip(batch.requests, batch.num_new):  # the draft group reaches 4 positions further
+            assert len(h.kv.block_table(r.request_id, 1)) == -(-(r.num_computed_tokens + n + 4) // 4)
+        h.update(batch, h.runner.execute(batch))
+    assert h.sched.num_preemptions > 0
+    for rid, _, _ in specs:
+        assert h.reqs[rid].output_token_ids == alone.reqs[rid].output_token_ids
+    assert h.kv.num_free_blocks == 16
 
 
 def test_chunked_prefill_alone_splits_into_budget_chunks():

@@ -20,11 +20,13 @@ from musespark.config import ModelConfig
 from musespark.engine.spec_decode.dspark import DSparkProposer
 from musespark.engine.spec_decode.proposer import Proposal, ProposalRequest, Proposer
 from musespark.layers.attention import AttentionContext
-from musespark.layers.rotary import apply_rotary, cos_sin, inv_frequencies
+from musespark.layers.norm import RMSNorm
+from musespark.layers.rotary import apply_rotary, apply_rotary_interleaved, cos_sin, inv_frequencies
 from musespark.model import MuseSparkForCausalLM, init_random_weights
-from musespark.model.dspark import DraftCache, DSparkDraft, cached_attend
+from musespark.model.dspark import DSparkDraft
 from musespark.model.dspark_config import DSparkConfig, gain_center
-from musespark.model.dspark_layers import DraftNorm, GatedAdd, attention_scores, interleaved_rope, position_mask
+from musespark.model.dspark_kv import DraftSeq, PagedDraftKV
+from musespark.model.dspark_layers import attention_scores, draft_norm, interleaved_rope, position_mask, residual_gate
 from musespark.model.dspark_loader import load_draft, save_draft, target_forward_with_aux
 
 L_T = 4
@@ -117,15 +119,15 @@ def test_norms_match_hand_formulas():
     eps = 1e-5
     inv = 1 / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     for center in (0.0, 1.0, 0.25):
-        n = DraftNorm(16, eps, affine=True, center=center)
+        n = draft_norm(16, eps, True, center)
         n.weight.data.copy_(w)
         assert torch.allclose(n(x, torch.float32), x * inv * (w + center), atol=1e-6)
-        s = DraftNorm(16, eps, affine=True, center=center, input_scaled=True)
+        s = draft_norm(16, eps, True, center, input_scaled=True)
         s.weight.data.copy_(w)
         z = x * (w + center)
         assert torch.allclose(s(x, torch.float32), z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps), atol=1e-5)
-    assert torch.allclose(DraftNorm(16, eps, affine=False)(x, torch.float32), x * inv, atol=1e-6)
-    assert DraftNorm(16, eps, affine=True)(x.bfloat16(), torch.bfloat16).dtype == torch.bfloat16
+    assert torch.allclose(draft_norm(16, eps, False)(x, torch.float32), x * inv, atol=1e-6)
+    assert draft_norm(16, eps, True)(x.bfloat16(), torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_gain_centres_and_global_layer_index():
@@ -139,17 +141,17 @@ def test_gain_centres_and_global_layer_index():
     model = DSparkDraft(cfg, L_T)
     for i, layer in enumerate(model.layers):
         ell = L_T + i
-        assert layer.post_attn_norm.center == 1 / (2 * ell + 2)
-        assert layer.post_ffn_norm.center == 1 / (2 * ell + 3)
-        assert layer.pre_ffn_norm.center == layer.self_attn.pre_qkv_proj_norm.center == 1.0
-    assert model.norm.center == model.hidden_norm.center == 1.0
+        assert layer.post_attn_norm.gain_center == 1 / (2 * ell + 2)
+        assert layer.post_ffn_norm.gain_center == 1 / (2 * ell + 3)
+        assert layer.pre_ffn_norm.gain_center == layer.self_attn.pre_qkv_proj_norm.gain_center == 1.0
+    assert model.norm.gain_center == model.hidden_norm.gain_center == 1.0
     plain = DSparkDraft(make_cfg(), L_T)
-    assert plain.layers[0].post_attn_norm.center == 0.0  # not zero-centred: gain = w
+    assert plain.layers[0].post_attn_norm.gain_center == 0.0  # not zero-centred: gain = w
 
 
 def test_gated_residual():
     g = torch.Generator().manual_seed(2)
-    add = GatedAdd(16)
+    add = residual_gate(16)
     add.gate.data.copy_(torch.randn(16, generator=g))
     s, b = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
     w = add.gate / 0.3
@@ -193,8 +195,8 @@ def reference_layer(layer, s, pos, ctx_k, ctx_v, ctx_pos, cfg: DSparkConfig):
 
     def norm(n, x):
         if n.input_scaled:
-            return rmsn(x * (n.weight + n.center), n.eps)
-        return rmsn(x, n.eps) * (n.weight + n.center if n.weight is not None else 1.0)
+            return rmsn(x * (n.weight + n.gain_center), n.eps)
+        return rmsn(x, n.eps) * (n.weight + n.gain_center if n.weight is not None else 1.0)
 
     a, nh, nkv, hd = layer.self_attn, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
     u = norm(a.pre_qkv_proj_norm, s)
@@ -331,6 +333,30 @@ def monolithic_logits(model: DSparkDraft, embed, aux, p0: int, anchor: int, n: i
     return model.lm_head(model.block_hidden(tokens, pos, embed, attend))
 
 
+class PagedCache:
+    """One request's draft context in a paged cache, its blocks in shuffled order."""
+
+    def __init__(self, model: DSparkDraft, num_blocks: int = 64, block_size: int = 4) -> None:
+        self.kv = PagedDraftKV.allocate(model, num_blocks, block_size, "cpu")
+        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(num_blocks)).tolist()
+        self.seq = DraftSeq()
+
+    def fill(self, value: float | None = None, std: float = 1.0) -> None:
+        for k, v in self.kv.caches:
+            for t in (k, v):
+                t.fill_(value) if value is not None else t.normal_(0, std)
+
+    def write(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n = kv[0][0].shape[0]
+        self.seq.advance(start, n)
+        slots = torch.tensor(self.kv.slots(self.table, range(start, start + n)))
+        for layer, (k, v) in enumerate(kv):
+            self.kv.store(layer, slots, k, v)
+
+    def attend(self, model: DSparkDraft, positions: torch.Tensor):
+        return self.kv.attend(model, [self.table], [self.seq], positions)
+
+
 def test_incremental_cache_equals_monolithic_over_many_steps():
     torch.manual_seed(8)
     cfg = make_cfg(global_attn_cfg=(6, 0))  # layer 0 (global 4) sliding window 6, layer 1 full
@@ -338,9 +364,8 @@ def test_incremental_cache_equals_monolithic_over_many_steps():
     embed = torch.randn(64, 32)
     total, N = 200, 5
     aux = torch.randn(total, 96)
-    cache = DraftCache.empty(model, capacity=4)
-    cache.k.fill_(float("nan"))  # an unwritten slot read anywhere would poison the output
-    cache.v.fill_(float("nan"))
+    cache = PagedCache(model)
+    cache.fill(float("nan"))  # an unwritten slot read anywhere would poison the output
     p0 = 11
     with torch.no_grad():
         cache.write(0, model.context_kv(aux[:p0], torch.arange(p0)))  # prefill
@@ -349,10 +374,10 @@ def test_incremental_cache_equals_monolithic_over_many_steps():
             anchor = int(torch.randint(64, ()))
             pos = torch.arange(p0, p0 + N)[None]
             tokens = torch.tensor([[anchor] + [cfg.mask_token_id] * (N - 1)])
-            got = model.lm_head(model.block_hidden(tokens, pos, embed, cached_attend(model, [cache], pos)))[0]
+            got = model.lm_head(model.block_hidden(tokens, pos, embed, cache.attend(model, pos)))[0]
             want = monolithic_logits(model, embed, aux, p0, anchor, N)
             assert torch.allclose(got, want, atol=1e-4), (steps, (got - want).abs().max())
-            assert cache.length == p0  # the block starts right after the last context position
+            assert cache.seq.length == p0  # the block starts right after the last context position
             # target verifies anchor + N drafts (N+1 rows, written speculatively), then k are accepted
             k = int(torch.randint(0, N + 1, ()))
             cache.write(
@@ -418,14 +443,14 @@ def test_proposer_positions_and_rollback():
     assert prop.propose([ProposalRequest("s", ids[:10], 0, aux[:5], 0)])[0].token_ids == []  # prefill chunk
     prop.propose([ProposalRequest("s", ids[:10], 7, aux[7:9], 3)])  # positions 5, 6 never given: a gap
     assert spy.calls[-1] == ([[9, 10, 11, 12]], [ids[9]])
-    assert prop._caches["s"].gaps and prop._caches["s"].known[:9].tolist() == [True] * 5 + [False] * 2 + [True] * 2
+    assert prop._seqs["s"].gaps == [(5, 7)] and prop._seqs["s"].known(9).tolist() == [0, 1, 2, 3, 4, 7, 8]
     prop.propose([ProposalRequest("s", ids[:10], 5, aux[5:9], 3)])  # filled later: no gap
-    assert not prop._caches["s"].gaps
+    assert not prop._seqs["s"].gaps
     with pytest.raises(ValueError, match="no anchor"):
         prop.propose([ProposalRequest("s", ids[:10], 5, aux[5:10], 3)])
     prop.drop("r")
     prop.drop("fresh")
-    assert set(prop._caches) == {"s"}
+    assert set(prop._seqs) == {"s"}
 
 
 def test_gap_positions_are_never_attended():
@@ -433,16 +458,13 @@ def test_gap_positions_are_never_attended():
     the monolithic reference over the known positions only."""
     model = random_draft(make_cfg(), seed=20)
     embed, aux = torch.randn(64, 32), torch.randn(40, 96)
-    cache = DraftCache.empty(model)
-    cache.k.normal_(0, 100)  # junk where nothing was written (finite: masked weights are 0, 0 * nan is not)
-    cache.v.normal_(0, 100)
+    cache = PagedCache(model)
+    cache.fill(std=100.0)  # junk where nothing was written (finite: masked weights are 0, 0 * nan is not)
     with torch.no_grad():
         cache.write(12, model.context_kv(aux[12:30], torch.arange(12, 30)))
         pos = torch.arange(30, 34)
         tokens = torch.tensor([9, 5, 5, 5])
-        got = model.lm_head(
-            model.block_hidden(tokens[None], pos[None], embed, cached_attend(model, [cache], pos[None]))
-        )
+        got = model.lm_head(model.block_hidden(tokens[None], pos[None], embed, cache.attend(model, pos[None])))
         ctx = model.context_kv(aux[12:30], torch.arange(12, 30))
 
         def attend(i, q, k, v):
@@ -650,7 +672,7 @@ def test_bf16_draft_and_dflash_layout(tmp_path):
         a = monolithic_logits(load_draft(path, L_T, dtype=torch.float32), embed, aux, 20, 7, 4)
         b16 = load_draft(path, L_T, dtype=torch.bfloat16)
         b = monolithic_logits(b16, embed.bfloat16(), aux, 20, 7, 4)
-    assert b.dtype == torch.bfloat16 and DraftCache.empty(b16).k.dtype == torch.bfloat16
+    assert b.dtype == torch.bfloat16 and PagedDraftKV.allocate(b16, 2, 4, "cpu").caches[0][0].dtype == torch.bfloat16
     assert float(torch.nn.functional.cosine_similarity(a, b.float(), dim=-1).min()) > 0.98
     target = random_target()
     draft = random_draft(make_cfg(sample_from_anchor=False), seed=23)
@@ -739,3 +761,31 @@ def test_bundled_draft_loads_and_is_lossless():
     got, accepted = speculative_greedy(target, prop, prompt, 24, 7)
     assert got == target.greedy_continuation(prompt, 24)
     assert sum(accepted) > 0
+
+
+def test_layers_interleaved_rotation_rotates_adjacent_pairs():
+    """layers.rotary.apply_rotary_interleaved (the draft's RoPE): pair (x_2m, x_2m+1) turned by
+    frequency m's angle; equal to rotate-half on the same values with the halves de-interleaved."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 8, generator=g)
+    pos = torch.tensor([0, 1, 7, 30, 511])
+    cos, sin = cos_sin(pos, inv_frequencies(10000.0, 8))
+    got = apply_rotary_interleaved(x, cos, sin)
+    ang = pos[:, None].float() * inv_frequencies(10000.0, 8)[None, :]  # [5, 4]
+    a, b = x[..., 0::2], x[..., 1::2]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    assert torch.allclose(got[..., 0::2], a * c - b * s, atol=1e-6)
+    assert torch.allclose(got[..., 1::2], b * c + a * s, atol=1e-6)
+    want = apply_rotary(torch.cat((a, b), -1), cos, sin)  # the same pairs in rotate-half order
+    assert torch.allclose(torch.cat((got[..., 0::2], got[..., 1::2]), -1), want, atol=1e-6)
+    assert torch.equal(got[0], x[0])  # position 0: no rotation
+
+
+def test_weightless_rms_norm_option():
+    """layers.norm.RMSNorm(affine=False): no weight, no gain; input_scaled needs a weight."""
+    n = RMSNorm(8, 1e-5, gain_center=0.0, affine=False)
+    x = torch.randn(3, 8)
+    assert n.weight is None and n.gain() is None and "weight" not in n.state_dict()
+    assert torch.allclose(n(x, torch.float32), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5), atol=1e-6)
+    with pytest.raises(ValueError, match="input_scaled"):
+        RMSNorm(8, 1e-5, input_scaled=True, affine=False)

@@ -388,7 +388,12 @@ def dspark_config():
 
 
 def run_mixed(spec):
-    llm = LLM(speculative_config=spec, **LOSSLESS_OPTIONS)
+    options = dict(LOSSLESS_OPTIONS)
+    if spec is not None and spec["method"] == "dspark":
+        # the draft's context K/V are a KV group of the same pool: one 512-token sequence
+        # needs 87 blocks then (53 without); 100 still preempt
+        options["kv_cache_memory"] = 100 * 2 * 2 * 16 * 2 * 64 * 4
+    llm = LLM(speculative_config=spec, **options)
     return llm, llm.generate(mixed_prompts(llm.get_tokenizer()), mixed_params())
 
 

@@ -11,6 +11,13 @@ Layers are split into KV groups (`group_windows[g]` is None for full attention, 
 a sliding window of W keys). Every request has one block table per group; all groups
 draw from ONE `BlockPool`, so they share the memory budget.
 
+Draft groups (`group_lookahead[g]` = L, not None): a speculative drafter's own layers
+(the DSpark draft's context K/V). They hold positions [0, end + L) where the target
+groups hold [0, end): the L extra positions are the draft's block rows, scratch it
+writes and reads within one proposal. A draft group is never prefix-cached: its blocks
+are never hashed, and on a prefix hit its table starts with NULL_BLOCK entries for the
+hit blocks (the drafter was given no rows there and masks them out).
+
 Block states and eviction live in `block_pool.py`.
 
 Design choices:
@@ -52,14 +59,23 @@ class KVCacheManager:
         block_size: int,
         group_windows: Sequence[int | None],
         enable_prefix_caching: bool = True,
+        group_lookahead: Sequence[int | None] | None = None,
     ) -> None:
         if not group_windows:
             raise ValueError("need at least one KV group")
         for w in group_windows:
             if w is not None and w <= 0:
                 raise ValueError(f"sliding window must be positive, got {w}")
+        lookahead = [None] * len(group_windows) if group_lookahead is None else list(group_lookahead)
+        if len(lookahead) != len(group_windows) or any(n is not None and n < 0 for n in lookahead):
+            raise ValueError(
+                f"group_lookahead must give None or a count >= 0 per group ({len(group_windows)}), got {lookahead}"
+            )
+        if all(n is not None for n in lookahead):
+            raise ValueError("group_lookahead: at least one group must be an ordinary (target) group")
         self.block_size = block_size
         self.group_windows: list[int | None] = list(group_windows)
+        self.group_lookahead: list[int | None] = lookahead
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self._requests: dict[str, _RequestState] = {}
@@ -81,6 +97,10 @@ class KVCacheManager:
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def _cached_group(self, group: int) -> bool:
+        """Whether `group` takes part in prefix caching (every group but the draft groups)."""
+        return self.group_lookahead[group] is None
 
     def _first_reachable_block(self, group: int, first_query_pos: int) -> int:
         """Lowest logical block a query at >= first_query_pos can read in `group`."""
@@ -107,10 +127,10 @@ class KVCacheManager:
             return 0, []
         hashes = self._hashes(token_ids, max_blocks, [], root)
         present = [[self.pool.lookup((g, h)) is not None for h in hashes] for g in range(self.num_groups)]
-        # Full groups need every block of the prefix.
+        # Full groups need every block of the prefix (draft groups need none).
         k = max_blocks
         for g, w in enumerate(self.group_windows):
-            if w is None:
+            if w is None and self._cached_group(g):
                 n = 0
                 while n < k and present[g][n]:
                     n += 1
@@ -119,7 +139,7 @@ class KVCacheManager:
         while k > 0 and not all(
             all(present[g][self._first_reachable_block(g, k * bs) : k])
             for g, w in enumerate(self.group_windows)
-            if w is not None
+            if w is not None and self._cached_group(g)
         ):
             k -= 1
         return k, hashes[:k]
@@ -152,7 +172,8 @@ class KVCacheManager:
         For a request without blocks, `num_computed_tokens` must be 0 or the value
         `get_computed_blocks` just returned: those blocks are shared from the cache.
         Full blocks below `num_computed_tokens` get hashed; sliding-group blocks the
-        queries at >= num_computed_tokens cannot reach are released (-1).
+        queries at >= num_computed_tokens cannot reach are released (-1). A draft group
+        holds [0, total + its lookahead).
         Returns False and changes nothing when the pool cannot supply the blocks.
         `cache_salt` applies to a request without blocks (it is kept for the request's life).
 
@@ -172,7 +193,7 @@ class KVCacheManager:
             root = salt_root(cache_salt)
             hashes = self._hashes(token_ids, k, [], root)
             for g in range(self.num_groups):
-                first = self._first_reachable_block(g, c)
+                first = self._first_reachable_block(g, c) if self._cached_group(g) else len(hashes)
                 for i, h in enumerate(hashes):
                     bid = self.pool.lookup((g, h)) if i >= first else NULL_BLOCK
                     if bid is None:
@@ -185,11 +206,11 @@ class KVCacheManager:
         # Plan: what to release and how many blocks to add per group.
         to_release: list[list[int]] = []
         to_add: list[tuple[int, int]] = []  # (first new logical index, n new blocks) per group
-        end = -(-total // bs)
         for g, table in enumerate(tables):
             first = self._first_reachable_block(g, c)
             to_release.append([i for i in range(min(first, len(table))) if table[i] != NULL_BLOCK])
             start = max(len(table), first)
+            end = -(-(total + (self.group_lookahead[g] or 0)) // bs)
             to_add.append((start, max(0, end - start)))
         need = sum(n for _, n in to_add)
         revived = {b for hb in hit_blocks for b in hb if b != NULL_BLOCK and self.pool.blocks[b].ref_cnt == 0}
@@ -229,6 +250,9 @@ class KVCacheManager:
             return
         self._hashes(token_ids, n_full, state.hashes, state.root)
         for g, table in enumerate(state.tables):
+            if not self._cached_group(g):  # never hashed: counted as done
+                state.num_hashed[g] = max(state.num_hashed[g], n_full)
+                continue
             for i in range(state.num_hashed[g], min(n_full, len(table))):
                 bid = table[i]
                 if bid != NULL_BLOCK and self.pool.blocks[bid].cache_key is None:

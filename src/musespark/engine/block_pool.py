@@ -48,8 +48,10 @@ def num_blocks_for_budget(
     num_kv_heads: int,
     head_dim: int,
     dtype_bytes: int,
+    extra_bytes_per_block: int = 0,
 ) -> int:
-    """How many blocks fit: one block holds K and V of `block_size` tokens for every layer."""
+    """How many blocks fit: one block holds K and V of `block_size` tokens for every layer,
+    plus `extra_bytes_per_block` (a drafter's own K/V tensors, allocated for every block id)."""
     for name, v in (
         ("block_size", block_size),
         ("num_layers", num_layers),
@@ -59,7 +61,9 @@ def num_blocks_for_budget(
     ):
         if v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
-    per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+    if extra_bytes_per_block < 0:
+        raise ValueError(f"extra_bytes_per_block must be >= 0, got {extra_bytes_per_block}")
+    per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes + extra_bytes_per_block
     return max(0, kv_cache_memory_bytes) // per_block
 
 

@@ -107,25 +107,35 @@ class EngineCore:
                 nvfp4_mode=settings.nvfp4_mode,
             )
         self.eos_token_ids = frozenset(self.model.config.eos_token_id) | frozenset(extra_eos_token_ids)
-        self.runner = ModelRunner(
-            self.model,
-            config.cache,
-            sched.max_model_len,
-            sched.max_num_seqs,
-            broadcast=None if self.executor is None else self.executor.broadcast,
-        )
-        if self.executor is not None:
-            self.executor.start(self.runner.num_blocks)
-        self.scheduler = Scheduler(sched, config.cache, self.runner.num_blocks, self.runner.layout.group_windows)
-        self.speculator: Speculator | None = None
+        # the proposer first: a drafter with K/V of its own is sized into the same KV budget
+        proposer = None
         if config.speculative is not None:
             if config.parallel.pipeline_parallel_size > 1:
                 raise InvalidArgumentError(
                     "speculative decoding does not support pipeline_parallel_size > 1", param="speculative_config"
                 )
             proposer = build_proposer(config.speculative, self.model, settings.path)
+        self.runner = ModelRunner(
+            self.model,
+            config.cache,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            broadcast=None if self.executor is None else self.executor.broadcast,
+            draft_kv=None if proposer is None else proposer.kv_spec,
+        )
+        if self.executor is not None:
+            self.executor.start(self.runner.num_blocks)
+        self.scheduler = Scheduler(
+            sched, config.cache, self.runner.num_blocks, self.runner.group_windows, self.runner.group_lookahead
+        )
+        self.speculator: Speculator | None = None
+        if proposer is not None:
+            draft_group = None
+            if proposer.kv_spec is not None:  # its group is the last one
+                proposer.bind_kv_cache(self.runner.draft_kv_caches, config.cache.block_size)
+                draft_group = len(self.runner.group_windows) - 1
             self.speculator = Speculator(
-                config.speculative, proposer, self.model.config.vocab_size, sched.max_model_len
+                config.speculative, proposer, self.model.config.vocab_size, sched.max_model_len, draft_group
             )
             self.runner.aux_layers = tuple(proposer.aux_layers)
         self._seeds = torch.Generator()  # CPU: draws one seed per unseeded sampled request

@@ -5,12 +5,8 @@ cache, reports how many blocks fit (`num_blocks`) and how layers group (`layout`
 reads each step's block tables from the `ScheduledBatch`; it never holds the KV cache
 manager (the scheduler does) and never changes a request.
 
-KV layout (hybrid allocation): layers are split into KV groups of equal size S, full-
-attention layers apart from sliding-window ones (S = the smaller of the two counts). The
-cache holds S K/V tensor pairs `[num_blocks, block_size, nKV, D]`; the j-th layer of
-every group uses pair j. A block id belongs to one group at a time, so groups never
-write into each other's blocks, and a sliding group that releases blocks outside its
-window really gives memory back to the pool.
+KV layout and size: `kv_cache.py` (the target's groups, then a drafter's own group when
+its proposer declares a `kv_spec`; the runner holds those tensors too, `draft_kv_caches`).
 
 Speculative decoding: a request with k drafts this step feeds its anchor and drafts as one
 chunk whose rows attend row by row as decode rows (`AttentionContext.row_wise`: the same
@@ -21,52 +17,22 @@ numbers as one-at-a-time decoding) and all k + 1 rows get logits, verified by
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..config import CacheConfig, ModelConfig
+from ..config import CacheConfig
 from ..layers.attention import AttentionContext, KVGroup
 from ..layers.sampler import LogitAdjustments, SamplingBatch, penalized, sample
 from ..model.muse_spark import MuseSparkForCausalLM
-from .block_pool import NULL_BLOCK, num_blocks_for_budget
+from .block_pool import NULL_BLOCK
+from .kv_cache import kv_layout, plan_kv_cache
 from .request import Request
 from .scheduler import ScheduledBatch
+from .spec_decode.proposer import DraftKVSpec
 from .spec_decode.rejection import verify_step
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    layer_group: list[int]  # layer -> KV group
-    layer_slot: list[int]  # layer -> index of its K/V tensor pair
-    group_windows: list[int | None]  # per group: sliding window or None
-    num_slots: int  # K/V tensor pairs
-
-
-def kv_layout(cfg: ModelConfig) -> KVLayout:
-    full = [i for i in range(cfg.num_hidden_layers) if not cfg.is_sliding(i)]
-    sliding = [i for i in range(cfg.num_hidden_layers) if cfg.is_sliding(i)]
-    size = min(len(full), len(sliding)) or cfg.num_hidden_layers
-    layer_group = [0] * cfg.num_hidden_layers
-    layer_slot = [0] * cfg.num_hidden_layers
-    windows: list[int | None] = []
-    for layers, window in ((full, None), (sliding, cfg.sliding_window)):
-        for start in range(0, len(layers), size):
-            for j, layer in enumerate(layers[start : start + size]):
-                layer_group[layer], layer_slot[layer] = len(windows), j
-            windows.append(window)
-    return KVLayout(layer_group, layer_slot, windows, size)
-
-
-def available_memory() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 4 << 30
-
 
 # Per sampled request: (chosen token's logprob, top token ids, their logprobs), best first.
 TokenLogprobs = tuple[float, list[int], list[float]]
@@ -190,6 +156,7 @@ class ModelRunner:
         *,
         num_blocks: int | None = None,
         broadcast: Callable[[StepInputs], None] | None = None,
+        draft_kv: DraftKVSpec | None = None,
     ) -> None:
         self.model = model
         self.broadcast = broadcast
@@ -198,29 +165,11 @@ class ModelRunner:
         cfg = model.config
         self.layout = kv_layout(cfg)
         self.block_size = cache.block_size
-        kv_heads = cfg.num_key_value_heads // model.parallel.tp_size
-        dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
-        budget = cache.kv_cache_memory or int(available_memory() * cache.kv_cache_fraction)
-        given = num_blocks
-        # A pipeline stage caches only its own layers' slots.
-        start, end = model.layer_range
-        needed = sorted({self.layout.layer_slot[i] for i in range(start, end)})
-        num_blocks = num_blocks_for_budget(budget, cache.block_size, len(needed), kv_heads, cfg.head_dim, dtype_bytes)
-        # Blocks one sequence can hold at most: full groups its whole length, sliding groups
-        # their window (+2: a block boundary and the block being filled).
-        seq_blocks = -(-max_model_len // cache.block_size) + 1
-        per_seq = sum(
-            seq_blocks if w is None else min(seq_blocks, -(-w // cache.block_size) + 2)
-            for w in self.layout.group_windows
-        )
-        num_blocks = min(num_blocks, max_num_seqs * per_seq)  # no point holding more
-        if num_blocks < per_seq:
-            raise ValueError(
-                f"kv_cache_memory={budget} bytes gives {num_blocks} KV blocks, but one sequence of "
-                f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len"
-            )
-        self.num_blocks = num_blocks = given if given is not None else num_blocks
-        shape = (num_blocks, cache.block_size, kv_heads, cfg.head_dim)
+        plan = plan_kv_cache(model, self.layout, cache, max_model_len, max_num_seqs, draft_kv)
+        # every KV group of the block manager: the target's, then the draft's (kv_cache.py)
+        self.group_windows, self.group_lookahead = plan.group_windows, plan.group_lookahead
+        self.num_blocks = num_blocks = num_blocks if num_blocks is not None else plan.num_blocks
+        shape = (num_blocks, cache.block_size, plan.kv_heads, cfg.head_dim)
         # Ordinary pages, not musespark.hugepages: a block's first write would fault a whole 2 MiB
         # page inside a step (~7 ms on a lazily backed VM), for no measured gain in the attention
         # (benchmarks/RESULTS.md, session 21).
@@ -229,8 +178,21 @@ class ModelRunner:
                 torch.zeros(shape, dtype=model.dtype, device=model.device),
                 torch.zeros(shape, dtype=model.dtype, device=model.device),
             )
-            for s in needed
+            for s in plan.slots
         }
+        # The drafter's layers: pair j when the plan shares them, else tensors of their own.
+        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if draft_kv is not None:
+            dshape = (num_blocks, cache.block_size, draft_kv.num_kv_heads, draft_kv.head_dim)
+            self.draft_kv_caches = [
+                slots[plan.slots[j]]
+                if plan.draft_shares_slots
+                else (
+                    torch.zeros(dshape, dtype=draft_kv.dtype, device=model.device),
+                    torch.zeros(dshape, dtype=draft_kv.dtype, device=model.device),
+                )
+                for j in range(draft_kv.num_layers)
+            ]
         # Per layer: its group slot's (K, V); None for another pipeline stage's layer.
         self.kv_caches = [slots.get(s) for s in self.layout.layer_slot]
 
@@ -291,7 +253,8 @@ class ModelRunner:
             inputs.prompt_rows.append(max(0, min(end, len(request.prompt_token_ids)) - start))
             qsl.append(qsl[-1] + n)
             inputs.seq_lens.append(end)
-            for (slots, tables), table in zip(inputs.groups, req_tables):
+            # the target's groups only (a drafter's group, last, is the proposer's)
+            for (slots, tables), table in zip(inputs.groups, req_tables[: len(inputs.groups)]):
                 # Flat cache slot of each new position (the scheduler allocated its block).
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 tables.append(table)

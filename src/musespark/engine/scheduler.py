@@ -17,9 +17,15 @@ time) and sets `num_computed_tokens` back over the rejected drafts, so KV writte
 is overwritten later and never lies in a block registered in the prefix cache (only
 blocks below `num_computed_tokens` are).
 
+A drafter's own K/V (the DSpark draft's context) are one more KV group of the same manager
+(`group_lookahead`), so they are allocated with the request's target blocks from the same
+pool, freed with it, and preempted with it: a full cache preempts a request, never lets a
+draft cache grow past the budget.
+
 Invariants: `running` is in arrival order and holds at most `max_num_seqs` requests; every
-running request holds blocks for its computed tokens, a waiting one holds none; a finished
-or aborted request is in neither queue and holds no blocks.
+running request holds blocks for its computed tokens in every group (a draft group also for
+its lookahead), a waiting one holds none; a finished or aborted request is in neither queue
+and holds no blocks.
 """
 
 from __future__ import annotations
@@ -55,11 +61,20 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int, group_windows: Sequence[int | None]
+        self,
+        config: SchedulerConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        group_windows: Sequence[int | None],
+        group_lookahead: Sequence[int | None] | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache.block_size, group_windows, enable_prefix_caching=cache.enable_prefix_caching
+            num_blocks,
+            cache.block_size,
+            group_windows,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            group_lookahead=group_lookahead,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order

@@ -47,11 +47,20 @@ def input_scaled_rms_norm(
 
 
 class RMSNorm(nn.Module):
-    """A norm with a learned weight `[dim]`; `gain_center` 1.0 is the zero-centred form (1 + w)."""
+    """A norm with a learned weight `[dim]`; `gain_center` 1.0 is the zero-centred form (1 + w).
+    `affine=False`: no weight and no gain (`weight` and `gain()` are None)."""
 
-    def __init__(self, dim: int, eps: float, gain_center: float = 1.0, input_scaled: bool = False) -> None:
+    def __init__(
+        self, dim: int, eps: float, gain_center: float = 1.0, input_scaled: bool = False, affine: bool = True
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
+        if input_scaled and not affine:
+            raise ValueError("RMSNorm: input_scaled needs a weight (affine=True)")
+        if affine:
+            self.weight = nn.Parameter(torch.zeros(dim))
+        else:
+            self.register_parameter("weight", None)
+        self.dim = dim
         self.eps = eps
         self.gain_center = gain_center
         self.input_scaled = input_scaled
@@ -60,15 +69,15 @@ class RMSNorm(nn.Module):
     @torch.no_grad()
     def materialize(self) -> None:
         """Cache the fp32 gain for native kernels (after loading; the weight must not change afterwards)."""
-        self._gain = (self.weight.float() + self.gain_center).contiguous()
+        self._gain = None if self.weight is None else (self.weight.float() + self.gain_center).contiguous()
 
     def _apply(self, fn, *args, **kwargs):
         self._gain = None  # `.to()` and friends may change the weight: recompute on next use
         return super()._apply(fn, *args, **kwargs)
 
-    def gain(self) -> torch.Tensor:
-        """fp32 [dim]: gain_center + weight."""
-        if self._gain is None:
+    def gain(self) -> torch.Tensor | None:
+        """fp32 [dim]: gain_center + weight (None without a weight)."""
+        if self._gain is None and self.weight is not None:
             self.materialize()
         return self._gain
 
@@ -78,8 +87,8 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.eps, self.weight, self.gain_center, out_dtype)
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.weight.shape[0]}, eps={self.eps}, gain_center={self.gain_center}, input_scaled={self.input_scaled}"
+        return f"{self.dim}, eps={self.eps}, gain_center={self.gain_center}, input_scaled={self.input_scaled}" + (
+            "" if self.weight is not None else ", affine=False"
         )
 
 

@@ -66,6 +66,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The interleaved (GPT-J) form: rotate the pairs (x_2m, x_2m+1) by frequency m's angle,
+    (x_2m cos - x_2m+1 sin, x_2m+1 cos + x_2m sin). x [*B, heads, head_dim] (any float dtype),
+    cos/sin [*B, head_dim] as `cos_sin` makes them (frequency m at m and m + head_dim/2);
+    float32 result."""
+    x = x.float()
+    half = x.shape[-1] // 2
+    c, s = cos[..., None, :half], sin[..., None, :half]
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+
+
 def norm_rope(
     x: torch.Tensor,  # [T, heads, D], any float dtype
     eps: float,

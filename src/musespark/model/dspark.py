@@ -13,29 +13,30 @@ Module and parameter names equal the checkpoint names of §3 (without `model.`),
 `state_dict()` is the checkpoint. Dtypes: weights and matmuls in D (the target's dtype), the
 residual stream in R (`residual_dtype`), norms in fp32 rounded once, logits fp32; the
 confidence head is fp32. Every function takes arbitrary leading dims (`*B`), so the same code
-serves inference (flat rows) and training (batched sequences).
+serves inference (flat rows) and training (batched sequences). Where the context K/V live at
+inference (paged, in the engine's KV budget): `dspark_kv.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers.linear import linear
+from ..layers.norm import ResidualGate
 from .dspark_config import DSparkConfig, gain_center
 from .dspark_layers import (
-    DraftNorm,
-    FeedForward,
-    GatedAdd,
-    attention_scores,
+    Rotary,
+    dense_linear,
     derived_weight,
+    draft_norm,
+    feed_forward,
     head_rms,
     interleaved_rope,
-    position_mask,
-    rope_table,
+    residual_gate,
 )
 
 # attend(layer, q [*B, Q, nh, hd], k, v [*B, Q, nkv, hd]) -> o [*B, Q, nh, hd]: the block's
@@ -47,15 +48,20 @@ MARKOV_TABLE_MAX = 1 << 24  # entries of the precomputed Markov bias table (64 M
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DSparkConfig, center: float) -> None:
+    """Projections of one draft layer; `layer`, `scale` and `window` are what a backend's
+    paged attention reads (`Backend.attention`)."""
+
+    def __init__(self, cfg: DSparkConfig, center: float, layer: int, window: int | None) -> None:
         super().__init__()
+        self.layer, self.window = layer, window
+        self.scale = cfg.q_scale / cfg.head_dim**0.5
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(H, nh * hd, bias=False)
-        self.k_proj = nn.Linear(H, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(H, nkv * hd, bias=False)
-        self.o_gate_proj = nn.Linear(H, nh * hd, bias=False) if cfg.use_attn_o_gate else None
-        self.o_proj = nn.Linear(nh * hd, H, bias=False)
-        self.pre_qkv_proj_norm = DraftNorm(H, cfg.rms_norm_eps, cfg.norm_affine, center)
+        self.q_proj = dense_linear(H, nh * hd)
+        self.k_proj = dense_linear(H, nkv * hd)
+        self.v_proj = dense_linear(H, nkv * hd)
+        self.o_gate_proj = dense_linear(H, nh * hd) if cfg.use_attn_o_gate else None
+        self.o_proj = dense_linear(nh * hd, H)
+        self.pre_qkv_proj_norm = draft_norm(H, cfg.rms_norm_eps, cfg.norm_affine, center)
 
 
 class DraftLayer(nn.Module):
@@ -73,46 +79,51 @@ class DraftLayer(nn.Module):
             )
         self.cfg, self.index, self.ell = cfg, index, ell
         self.window = cfg.layer_window(ell)
-        self.self_attn = DraftAttention(cfg, 1.0 if zc else 0.0)
+        self.self_attn = DraftAttention(cfg, 1.0 if zc else 0.0, index, self.window)
         post = cfg.post_norm_gain_center_type
 
         def center(rid: int) -> float:
             return gain_center(post, rid) if zc else 0.0
 
-        self.post_attn_norm = DraftNorm(H, cfg.post_eps, cfg.post_norm_affine, center(2 * ell + 1))
-        self.pre_ffn_norm = DraftNorm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
-        self.feed_forward = FeedForward(H, cfg.intermediate_size)
-        self.post_ffn_norm = DraftNorm(
+        self.post_attn_norm = draft_norm(H, cfg.post_eps, cfg.post_norm_affine, center(2 * ell + 1))
+        self.pre_ffn_norm = draft_norm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
+        self.feed_forward = feed_forward(cfg)
+        self.post_ffn_norm = draft_norm(
             H,
             cfg.post_eps,
             cfg.use_ffn_learnable_scales or cfg.post_norm_affine,
             center(2 * ell + 2),
             input_scaled=cfg.use_ffn_learnable_scales,
         )
-        self.add_attn = GatedAdd(H) if cfg.use_residual_gate else None
-        self.add_ffn = GatedAdd(H) if cfg.use_residual_gate else None
+        self.add_attn = residual_gate(H) if cfg.use_residual_gate else None
+        self.add_ffn = residual_gate(H) if cfg.use_residual_gate else None
+        self.rotary = Rotary(cfg.rope_theta, cfg.head_dim)
 
     def kv(
-        self, u: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, table: torch.Tensor | None = None
+        self,
+        u: torch.Tensor,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        table: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (QK-normed, rotated) and values of normed inputs u [*B, Q, H] -> [*B, Q, nkv, hd] in dtype."""
         cfg, a = self.cfg, self.self_attn
         if torch.is_grad_enabled():
             k, v = a.k_proj(u), a.v_proj(u)
         else:  # one matmul
-            k, v = F.linear(u, derived_weight(self, "kv", [a.k_proj.weight, a.v_proj.weight])).chunk(2, dim=-1)
+            k, v = linear(u, derived_weight(self, "kv", [a.k_proj.weight, a.v_proj.weight])).chunk(2, dim=-1)
         k = head_rms(k.unflatten(-1, (cfg.kv_heads, cfg.head_dim)), cfg.rms_norm_eps).to(dtype)
         if cfg.use_rope:
             table = self.rope(positions, dtype) if table is None else table
             k = interleaved_rope(k, positions, cfg.rope_theta, table=table).to(dtype)
         return k, v.unflatten(-1, (cfg.kv_heads, cfg.head_dim))
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        table_dtype = torch.float32 if self.cfg.rope_use_fp32_in_outer_product else dtype
-        return rope_table(positions, self.cfg.rope_theta, self.cfg.head_dim, table_dtype)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [*B, Q, hd] fp32 of positions [*B, Q], shared by q and k."""
+        return self.rotary.cos_sin(positions, torch.float32 if self.cfg.rope_use_fp32_in_outer_product else dtype)
 
-    def _add(self, gate: GatedAdd | None, s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return s + b.to(s.dtype) if gate is None else gate(s, b)
+    def _add(self, gate: ResidualGate | None, s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return s + b.to(s.dtype) if gate is None else gate(s, b).to(s.dtype)
 
     def _qkv(
         self, u: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
@@ -124,7 +135,7 @@ class DraftLayer(nn.Module):
         parts = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
         if a.o_gate_proj is not None:
             parts.append(a.o_gate_proj.weight)
-        x = F.linear(u, derived_weight(self, "qkv", parts))
+        x = linear(u, derived_weight(self, "qkv", parts))
         qk = head_rms(x[..., : (nh + nkv) * hd].unflatten(-1, (nh + nkv, hd)), cfg.rms_norm_eps).to(dtype)
         if cfg.use_rope:
             qk = interleaved_rope(qk, positions, cfg.rope_theta, table=self.rope(positions, dtype)).to(dtype)
@@ -204,7 +215,7 @@ class MarkovHead(nn.Module):
     def __init__(self, v_in: int, v_d: int, rank: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(v_in, rank)  # indexed by TARGET ids
-        self.markov_w2 = nn.Linear(rank, v_d, bias=False)  # weight [V_d, r]
+        self.markov_w2 = dense_linear(rank, v_d)  # weight [V_d, r]
 
 
 class ConfidenceHead(nn.Module):
@@ -220,17 +231,17 @@ class DSparkDraft(nn.Module):
         super().__init__()
         H, zc = cfg.hidden_size, cfg.norm_zero_centered_gamma
         self.config, self.target_num_layers = cfg, target_num_layers
-        self.fc = nn.Linear(cfg.target_hidden_size * len(cfg.target_layer_ids), H, bias=False)
-        self.hidden_norm = DraftNorm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
+        self.fc = dense_linear(cfg.target_hidden_size * len(cfg.target_layer_ids), H)
+        self.hidden_norm = draft_norm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
         self.layers = nn.ModuleList(DraftLayer(cfg, i, target_num_layers + i) for i in range(cfg.num_hidden_layers))
-        self.norm = DraftNorm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
+        self.norm = draft_norm(H, cfg.rms_norm_eps, cfg.norm_affine, 1.0 if zc else 0.0)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.d_vocab, cfg.markov_rank)
         self.confidence_head = (
             ConfidenceHead(H + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
             if cfg.enable_confidence_head
             else None
         )
-        self.lm_head = nn.Linear(H, cfg.d_vocab, bias=False)
+        self.lm_head = dense_linear(H, cfg.d_vocab)
         self.register_buffer("d2t", torch.zeros(cfg.d_vocab, dtype=torch.long))
 
     @property
@@ -349,75 +360,3 @@ class DSparkDraft(nn.Module):
         logits = logits.float() * cfg.output_multiplier
         tau = cfg.output_soft_cap_temp
         return tau * torch.tanh(logits / tau) if tau else logits
-
-
-@dataclass
-class DraftCache:
-    """One request's context K/V: k, v [L, capacity, nkv, hd] in D. Positions [0, length) hold
-    target-derived K/V (never block scratch), except positions the proposer was never given
-    rows for (a gap, e.g. a prefix-cache hit of the target): `known` [capacity] marks them
-    False and attention skips them. Grown by doubling, truncated on rollback."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    known: torch.Tensor
-    length: int = 0
-    gaps: bool = False
-
-    @classmethod
-    def empty(cls, draft: DSparkDraft, capacity: int = 64, device: torch.device | str = "cpu") -> DraftCache:
-        cfg = draft.config
-        shape = (cfg.num_hidden_layers, capacity, cfg.kv_heads, cfg.head_dim)
-        return cls(
-            torch.zeros(shape, dtype=draft.dtype, device=device),
-            torch.zeros(shape, dtype=draft.dtype, device=device),
-            torch.zeros(capacity, dtype=torch.bool, device=device),
-        )
-
-    def write(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Invalidate positions >= start, then store kv (per layer [n, nkv, hd]) at [start, start+n).
-        Positions between the old length and `start` become a gap (unknown, never attended)."""
-        self.prepare(start, kv[0][0].shape[0] if kv else 0)
-        for i, (k, v) in enumerate(kv):
-            self.put(i, start, k, v)
-
-    def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store one layer's rows [n, nkv, hd] at [start, start+n) (after `prepare`)."""
-        self.k[layer, start : start + k.shape[0]] = k
-        self.v[layer, start : start + k.shape[0]] = v
-
-    def prepare(self, start: int, n: int) -> None:
-        """Make [start, start+n) the last known positions (rows to follow through `put`)."""
-        end = start + n
-        if end > self.k.shape[1]:
-            cap = max(end, 2 * self.k.shape[1])
-            grow = (self.k.shape[0], cap - self.k.shape[1], *self.k.shape[2:])
-            self.k = torch.cat((self.k, self.k.new_zeros(grow)), 1)
-            self.v = torch.cat((self.v, self.v.new_zeros(grow)), 1)
-            self.known = torch.cat((self.known, self.known.new_zeros(cap - self.known.shape[0])))
-        if start > self.length:
-            self.known[self.length : start] = False
-        self.known[start:end] = True
-        self.length = end
-        self.gaps = not bool(self.known[:end].all())
-
-
-def cached_attend(draft: DSparkDraft, caches: list[DraftCache], positions: torch.Tensor) -> Attend:
-    """Attention for a batch of blocks [B, Q]: request b's queries see its known context K/V at
-    [0, length_b) (all below its block start P0_b = length_b) and its own block causally."""
-    scale = draft.attention_scale()
-
-    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = []
-        for b, cache in enumerate(caches):
-            n = cache.length
-            keys = torch.cat((cache.k[layer, :n], k[b]))
-            values = torch.cat((cache.v[layer, :n], v[b]))
-            k_pos = torch.cat((torch.arange(n, device=q.device), positions[b]))
-            mask = position_mask(positions[b], k_pos, draft.layers[layer].window)
-            if cache.gaps:
-                mask[:, :n] &= cache.known[:n]
-            out.append(attention_scores(q[b], keys, values, mask, scale))
-        return torch.stack(out)
-
-    return attend

@@ -1,6 +1,9 @@
-"""Building blocks of the DSpark draft (DSPARK.md §4.1, §4.3): interleaved RoPE, the fp32
-RMSNorm family, the gated residual blend, SwiGLU, masked GQA attention, and a cache for tensors
-derived from weights (stacked projections, norm gains) used on the inference path.
+"""The DSpark draft's building blocks on the shared layers (DSPARK.md §4.1, §4.3):
+interleaved RoPE (`layers.rotary`), the fp32 RMSNorm family and the gated residual blend
+(`layers.norm`), SwiGLU and linears (`layers.moe.DenseMlp`, `layers.linear.Linear`), the
+masked GQA attention of the training pack, and a cache for tensors derived from weights
+(stacked projections) used on the inference path. No module-global state: rotary
+frequencies are cached per layer instance and device.
 
 Every function takes arbitrary leading dims (`*B`).
 """
@@ -13,25 +16,59 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_INV_FREQ: dict[tuple[float, int, str], torch.Tensor] = {}
+from ..layers.linear import Linear
+from ..layers.moe import DenseMlp
+from ..layers.norm import ResidualGate, RMSNorm, rms
+from ..layers.rotary import apply_rotary_interleaved, cos_sin, inv_frequencies
+from ..quant.format import WeightFormats
+
+RESIDUAL_GATE_TEMPERATURE = 0.3  # the draft's gated residual blend (§4.1): beta = sigmoid(w / 0.3)
+DENSE = WeightFormats()  # the draft's linears are dense
 
 
-def rope_table(
-    positions: torch.Tensor, theta: float, head_dim: int, table_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Complex rotations e^{i phi} [*B, Q, 1, hd/2] (complex64) at phi = pos * theta^(-2m/hd);
-    cos and sin are fp32 values, rounded through `table_dtype` first if that is not fp32.
-    Shared by q and k and by every layer of one pass."""
-    key = (theta, head_dim, str(positions.device))
-    inv = _INV_FREQ.get(key)
-    if inv is None:
-        inv = _INV_FREQ[key] = 1.0 / theta ** (
-            torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-        )
-    ang = positions.float()[..., None, None] * inv
-    if table_dtype == torch.float32:
-        return torch.polar(torch.ones_like(ang), ang)
-    return torch.complex(ang.cos().to(table_dtype).float(), ang.sin().to(table_dtype).float())
+def dense_linear(in_features: int, out_features: int) -> Linear:
+    """A bias-free dense linear [out, in] (checkpoint name `weight`)."""
+    return Linear(in_features, out_features, DENSE.linear(""))
+
+
+def draft_norm(dim: int, eps: float, affine: bool, center: float = 0.0, input_scaled: bool = False) -> RMSNorm:
+    """The draft's RMSNorm: gain = weight + center (no weight: no gain), weight initialised
+    to 1; fp32 inside, rounded once to the output dtype (`RMSNorm.forward(x, out_dtype)`)."""
+    norm = RMSNorm(dim, eps, gain_center=center, input_scaled=input_scaled, affine=affine)
+    if norm.weight is not None:
+        with torch.no_grad():
+            norm.weight.fill_(1.0)
+    return norm
+
+
+def residual_gate(dim: int) -> ResidualGate:
+    """Norm-preserving blend s <- alpha*s + beta*b, beta = sigmoid(w/0.3), eps 1e-3 (fp32)."""
+    return ResidualGate(dim, RESIDUAL_GATE_TEMPERATURE, eps=1e-3)
+
+
+def feed_forward(cfg: object) -> DenseMlp:
+    """SwiGLU down(silu(gate x) * up x) at the draft's hidden_size / intermediate_size."""
+    return DenseMlp(cfg, DENSE, "feed_forward.")  # type: ignore[arg-type]  (reads the two sizes only)
+
+
+class Rotary:
+    """cos/sin of one base for a layer (interleaved RoPE, §4.3): frequencies cached per device."""
+
+    def __init__(self, theta: float, head_dim: int) -> None:
+        self.theta, self.head_dim = theta, head_dim
+        self._inv: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, table_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*B, Q, hd] fp32 at positions [*B, Q], rounded through `table_dtype` first
+        if that is not fp32."""
+        inv = self._inv.get(positions.device)
+        if inv is None:
+            inv = self._inv[positions.device] = inv_frequencies(self.theta, self.head_dim).to(positions.device)
+        cos, sin = cos_sin(positions.reshape(-1), inv)
+        cos, sin = cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
+        if table_dtype != torch.float32:
+            cos, sin = cos.to(table_dtype).float(), sin.to(table_dtype).float()
+        return cos, sin
 
 
 def interleaved_rope(
@@ -39,15 +76,12 @@ def interleaved_rope(
     positions: torch.Tensor,
     theta: float,
     table_dtype: torch.dtype = torch.float32,
-    table: torch.Tensor | None = None,
+    table: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """GPT-J RoPE on pairs (x_2m, x_2m+1) at angle phi = pos * theta^(-2m/hd), full head rotated:
-    (x_2m cos - x_2m+1 sin, x_2m+1 cos + x_2m sin), i.e. the pair as a complex number times e^{i phi}.
-    x [*B, Q, heads, hd], positions [*B, Q] -> fp32 [*B, Q, heads, hd]; `table` = rope_table(...)."""
-    hd = x.shape[-1]
-    rot = table if table is not None else rope_table(positions, theta, hd, table_dtype)
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (hd // 2, 2)).contiguous())
-    return torch.view_as_real(pairs * rot).flatten(-2)
+    """GPT-J RoPE on pairs (x_2m, x_2m+1) at angle phi = pos * theta^(-2m/hd), full head rotated.
+    x [*B, Q, heads, hd], positions [*B, Q] -> fp32 [*B, Q, heads, hd]; `table` = (cos, sin)."""
+    cos, sin = table if table is not None else Rotary(theta, x.shape[-1]).cos_sin(positions, table_dtype)
+    return apply_rotary_interleaved(x, cos, sin)
 
 
 def derived_weight(
@@ -68,64 +102,8 @@ def derived_weight(
 
 
 def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMS norm over the last dim in fp32: x / sqrt(mean(x^2) + eps) (fp32 result)."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-
-
-class DraftNorm(nn.Module):
-    """RMSNorm, fp32 inside, rounded once to `out_dtype`. Gain g = weight + center (no weight:
-    no gain). `input_scaled`: rms(x * g) instead of rms(x) * g. (torch's fused rms_norm on fp32
-    inputs: the draft only proposes, so its rounding never decides an output token.)"""
-
-    def __init__(self, dim: int, eps: float, affine: bool, center: float = 0.0, input_scaled: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
-        self.eps, self.center, self.input_scaled = eps, center, input_scaled
-
-    def gain(self) -> torch.Tensor | None:
-        """fp32 weight + center (None without a weight); cached when no gradient is wanted."""
-        if self.weight is None:
-            return None
-        if torch.is_grad_enabled():
-            w = self.weight.float()
-            return w + self.center if self.center else w
-        return derived_weight(self, "gain", [self.weight], lambda: self.weight.float() + self.center)
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        g, x = self.gain(), x.float()
-        if self.input_scaled:
-            return F.rms_norm(x * g, (x.shape[-1],), None, self.eps).to(out_dtype)
-        return F.rms_norm(x, (x.shape[-1],), g, self.eps).to(out_dtype)
-
-
-class GatedAdd(nn.Module):
-    """Norm-preserving residual blend s <- alpha*s + beta*b (fp32, cast to the stream dtype),
-    beta = sigmoid(w/0.3), alpha = sqrt(max(1e-3, sigmoid(-w/0.3)(1+beta)))."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.gate = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, s: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        w = self.gate.float() / 0.3
-        beta = torch.sigmoid(w)
-        alpha = torch.sqrt(torch.clamp(torch.sigmoid(-w) * (1 + beta), min=1e-3))
-        return (alpha * s.float() + beta * b.float()).to(s.dtype)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, H: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(H, inter, bias=False)
-        self.up_proj = nn.Linear(H, inter, bias=False)
-        self.down_proj = nn.Linear(inter, H, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        w = derived_weight(self, "gate_up", [self.gate_proj.weight, self.up_proj.weight])  # one matmul
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    """Weightless RMS norm over the last dim in fp32 (`layers.norm.rms`; fp32 result)."""
+    return rms(x, eps)
 
 
 def attention_scores(

@@ -17,6 +17,21 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class DraftKVSpec:
+    """A proposer's own KV layers: per layer K and V [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    lookahead: int  # positions its group holds past the target's (scratch rows of one proposal)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+
 @dataclass
 class ProposalRequest:
     request_id: str
@@ -27,6 +42,7 @@ class ProposalRequest:
     hidden: torch.Tensor | None  # [n, len(aux_layers) * H] fp32, positions [context_start, context_start + n),
     #                              layers in ascending order; None when aux_layers is empty
     num_tokens: int  # propose at most this many (0: update state only, e.g. a prefill chunk)
+    block_table: list[int] | None = None  # the proposer's KV group's block table (with `kv_spec`), read-only
 
 
 @dataclass
@@ -38,6 +54,11 @@ class Proposal:
 
 class Proposer(ABC):
     aux_layers: tuple[int, ...] = ()  # decoder layer indices whose output stream the target exports
+    kv_spec: DraftKVSpec | None = None  # K/V of its own, held in the engine's KV cache
+
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+        """Take the engine's tensors for `kv_spec` (per layer K, V); only called when it is set."""
+        raise NotImplementedError(f"{type(self).__name__} declares no kv_spec")
 
     @abstractmethod
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:

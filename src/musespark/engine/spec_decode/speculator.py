@@ -6,7 +6,8 @@ the scheduler verified each request's drafts (rows anchor + k, `rejection.py`), 
 the accepted ones plus one token and rolled `num_computed_tokens` back over the rejected
 ones. Here every request of the step that is still running gets a `ProposalRequest`: its
 tokens, the rows of the positions it validly computed this step (aux streams when the
-proposer reads them) and how many drafts it may have next step. Drafts land in
+proposer reads them), how many drafts it may have next step and, for a proposer with K/V
+of its own, its block table in the draft's KV group (`draft_group`). Drafts land in
 `Request.spec_token_ids` and are consumed by the next `schedule()`.
 
 Who speculates: a running request in decode without a grammar (structured outputs do not
@@ -79,8 +80,16 @@ BACKOFF_PROBE = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        vocab_size: int,
+        max_model_len: int,
+        draft_group: int | None = None,
+    ) -> None:
         self.config = config
+        self.draft_group = draft_group  # the proposer's KV group in the block tables (with its kv_spec)
         self.proposer = proposer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -150,7 +159,8 @@ class Speculator:
             budget = self._budget(request)
             if budget and self._backing_off(request.request_id):
                 budget = 0
-            asks.append(ProposalRequest(request.request_id, request.token_ids, start, hidden, budget))
+            table = None if self.draft_group is None else batch.block_tables[i][self.draft_group]
+            asks.append(ProposalRequest(request.request_id, request.token_ids, start, hidden, budget, table))
             targets.append(request)
         if not asks:
             return
