@@ -1,7 +1,7 @@
 """Frozen configuration: the checkpoint's `ModelConfig` and the engine's `EngineConfig` tree.
 
 `ModelConfig` parses and validates a Muse Spark 1x `config.json`. Two shapes are accepted
-(SPEC §1):
+(docs/spec.md §1):
   * nested, the released omni model: {"model_type": "muse_spark", "text_config": {...}, ...}
   * flat, text-only: {"model_type": "muse_spark_text", ...}
 Only the text decoder's fields matter; vision and audio sub-configs are ignored.

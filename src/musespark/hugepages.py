@@ -4,7 +4,7 @@ Why: a decode step reads every active weight once, front to back. With 4 KiB pag
 CPU's stream prefetchers stop at each page boundary and every page costs a TLB walk, so one
 core's stream stalls every 4 KiB; in 2 MiB pages it does not. Measured on a 2-vCPU AMD EPYC
 (Zen 4) VM, the panel kernel over 256 MiB: 16 -> 26 GB/s on one thread, 24 -> 30 GB/s on
-two (benchmarks/RESULTS.md, session 21).
+two (measured at 9cb64fd, 2026-12-03).
 
 PyTorch's own allocator leaves large buffers to malloc (4 KiB pages unless the system makes
 every mapping huge, or `THP_MEM_ALLOC_ENABLE=1` is set before torch's first allocation).
@@ -18,7 +18,7 @@ no `MADV_HUGEPAGE` (not Linux), or the tensor is smaller than one huge page, or
 
 Cost: faulting in huge pages is faster than small ones (1 GiB: ~85 vs ~280 ms measured), except
 on a VM whose host backs guest memory lazily, where memory the guest never touched costs ~3.5 s
-per GiB the first time (RESULTS.md, session 21).
+per GiB the first time (measured at 9cb64fd, 2026-12-03).
 """
 
 from __future__ import annotations

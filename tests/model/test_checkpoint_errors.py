@@ -1,5 +1,5 @@
 """Loading checkpoints: every error path has a clear message; towers, prefixes, tying and
-dtypes are handled as SPEC §1 says. Small checkpoints are written by our own writer, no
+dtypes are handled as docs/spec.md §1 says. Small checkpoints are written by our own writer, no
 transformers needed; bad files are crafted with `safetensors.torch` directly."""
 
 import json
@@ -423,7 +423,7 @@ def test_tied_flat_checkpoint_has_no_lm_head_and_ties(tmp_path):
 
 
 def test_tied_config_with_lm_head_on_disk_uses_it(tmp_path):
-    """SPEC §1: when lm_head.weight is present, use it even if the config says tied
+    """docs/spec.md §1: when lm_head.weight is present, use it even if the config says tied
     (transformers' nested model saves a separate, possibly different, head)."""
     cfg = small_config(tie_word_embeddings=True)
     model = build_model(cfg, seed=12)

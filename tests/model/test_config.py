@@ -1,4 +1,4 @@
-"""ModelConfig: released-schema defaults, both config shapes, validation, round-trips (SPEC §1)."""
+"""ModelConfig: released-schema defaults, both config shapes, validation, round-trips (docs/spec.md §1)."""
 
 import json
 import re

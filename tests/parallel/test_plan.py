@@ -1,6 +1,6 @@
 """`plan_memory` / `musespark plan`: per-rank memory of a TP/EP/PP deployment, from the config.
 
-The 816B figures are PARALLEL.md §10's table (GB = 1e9 bytes); the small-model check ties
+The 816B figures are docs/parallel.md §10's table (GB = 1e9 bytes); the small-model check ties
 the plan to what a real checkpoint holds."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from musespark.parallel.plan import GB, layer_params, total_params
 
 OPEN = "muse-spark-open-816b"
 
-# PARALLEL.md §10: (tp, pp) -> per-rank GB: attn, pool+unpool, router, embed/head, experts, total; bf16 then NVFP4.
+# docs/parallel.md §10: (tp, pp) -> per-rank GB: attn, pool+unpool, router, embed/head, experts, total; bf16 then NVFP4.
 TABLE = {
     (8, 1): dict(attn=3.38, pool=8.32, router=0.52, embed_head=0.83, experts=(199.72, 60.80), total=(212.8, 73.9)),
     (16, 1): dict(attn=1.69, pool=8.32, router=0.52, embed_head=0.41, experts=(99.86, 30.40), total=(110.8, 41.4)),

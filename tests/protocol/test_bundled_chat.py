@@ -1,4 +1,4 @@
-"""The bundled tiny model speaks Muse (MUSE_CHAT.md §1-§3): the four markers are single special
+"""The bundled tiny model speaks Muse (docs/muse_chat.md §1-§3): the four markers are single special
 tokens, `<|eot|>` ends a turn, the checkpoint's chat template is the Muse template, and greedy
 generation through the engine reasons, calls the offered tool with schema-valid JSON arguments,
 and after the tool's result reasons again and answers in content.

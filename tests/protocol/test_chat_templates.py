@@ -1,5 +1,5 @@
 """Chat templates rendered as HF's apply_chat_template renders them, with vLLM's request
-handling (MUSE_CHAT.md §2): the Muse template's worked examples byte for byte, parity with
+handling (docs/muse_chat.md §2): the Muse template's worked examples byte for byte, parity with
 transformers' renderer, kwargs precedence, message preprocessing, the server's 400s and the
 render endpoint, `LLM.chat` and the CLI's template loading."""
 
@@ -56,7 +56,7 @@ TOOLS = [
     },
 ]
 
-# MUSE_CHAT.md §2.2, verbatim.
+# docs/muse_chat.md §2.2, verbatim.
 EXAMPLE_A = (
     "<|begin_of_text|><|start|>system<|message|>Be terse.\n\nReasoning strength: high.\n\n"
     '# Valid recipients: "self", "user".<|eot|><|start|>user<|message|>Hi<|eot|><|start|>assistant'

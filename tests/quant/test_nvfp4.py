@@ -1,4 +1,4 @@
-"""NVFP4 checkpoints (/work/shared/NVFP4.md): decoding bit-exact against an independent
+"""NVFP4 checkpoints (docs/nvfp4.md): decoding bit-exact against an independent
 float64 reference written here from the spec, the quantizer's round trip through a saved
 checkpoint, both quantization-config forms with their exclude lists, the loading errors of
 malformed checkpoints, and the bundled model quantized end to end (bits per byte and greedy
@@ -41,7 +41,7 @@ E2M1_MAGNITUDES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
 def ref_e2m1(code: int) -> float:
-    """Bit 3 sign, bits 2-1 exponent, bit 0 mantissa (NVFP4.md §2 table)."""
+    """Bit 3 sign, bits 2-1 exponent, bit 0 mantissa (docs/nvfp4.md §2 table)."""
     e, m = (code >> 1) & 3, code & 1
     mag = m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1)
     assert mag == E2M1_MAGNITUDES[code & 7]

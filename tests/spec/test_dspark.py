@@ -1,4 +1,4 @@
-"""The DSpark draft (DSPARK.md §7 items 1, 2, 3, 4 at the model level, 6, 8).
+"""The DSpark draft (docs/speculative.md §7 items 1, 2, 3, 4 at the model level, 6, 8).
 
 Every parameter is randomized (norm weights, gates, Markov tables included). The
 engine-level lossless test (scheduler + runner + rejection sampler driving DSparkProposer)

@@ -1,5 +1,5 @@
 """`musespark quantize`: write an NVFP4 checkpoint from a bf16/fp32 one (ModelOpt's recipe,
-NVFP4.md §5; the tensor math is `quant/quantize.py`).
+docs/nvfp4.md §5; the tensor math is `quant/quantize.py`).
 
     quantize_checkpoint(src, dst, scope="experts" | "linear", calibration_prompts=16, calibration_file=None)
 

@@ -7,7 +7,7 @@
     bench-tiny   a very small random model for smoke tests
     tiny         the bundled musespark-tiny (its trained weights, not random)
     muse-spark-open-816b
-                 the released Muse Spark Open 816B-A42B's shape (PARALLEL.md §10), config only:
+                 the released Muse Spark Open 816B-A42B's shape (docs/parallel.md §10), config only:
                  for `musespark plan`; `make_checkpoint` refuses it (no weights, 1.6 TB in bf16)
 
 `count_params(cfg)` counts from the config alone (nothing is allocated); `make_checkpoint`

@@ -1,4 +1,4 @@
-"""The released tensor names and shapes of the text decoder (SPEC §1).
+"""The released tensor names and shapes of the text decoder (docs/spec.md §1).
 
 Names here are relative to the text model ("embed_tokens.weight", "layers.0...."),
 plus "lm_head.weight" at the top. On disk, nested checkpoints prefix the text model
@@ -28,7 +28,7 @@ TOWER_PREFIXES = (
     "model.multi_modal_projector.",
 )
 
-# Tensors kept in float32 whatever the model dtype (SPEC §1, §2).
+# Tensors kept in float32 whatever the model dtype (docs/spec.md §1, §2).
 FP32_SUFFIXES = (
     "post_attention_residual_gate.gate",
     "post_feedforward_residual_gate.gate",

@@ -1,5 +1,5 @@
 """Chat templates rendered as Hugging Face's `apply_chat_template` renders them, with vLLM's
-request handling around them (MUSE_CHAT.md §2.0).
+request handling around them (docs/muse_chat.md §2.0).
 
 * `compile_template` (chat_jinja.py) builds HF's Jinja environment; `load_chat_template`
   reads a `--chat-template` value (the template itself, or a file naming it).

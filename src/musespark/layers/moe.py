@@ -1,4 +1,4 @@
-"""The compressed mixture of experts (SPEC §3): route in fp32, pool H -> Hm, run the
+"""The compressed mixture of experts (docs/spec.md §3): route in fp32, pool H -> Hm, run the
 chosen experts at width Hm with a per-expert post-norm, weight, sum, unpool Hm -> H.
 
 Tokens are grouped by expert (one sort), and each expert that received tokens runs one
@@ -65,7 +65,7 @@ class Experts(nn.Module):
     tensors and their product come from `fmt` (dense: `gate_up_proj` [E, 2*Im, Hm], gate rows
     first, then up rows; `down_proj` [E, Hm, Im]).
 
-    Parallel (PARALLEL.md §3): with expert parallelism this rank holds a contiguous block of
+    Parallel (docs/parallel.md §3): with expert parallelism this rank holds a contiguous block of
     experts at full width, and the weighted per-slot outputs [T, k, Hm] are all-reduced (one
     contributor per slot: exact); with tensor parallelism alone it holds every expert at
     width Im / tp, and the down-projection rows are all-reduced in fp32 *before* the

@@ -1,4 +1,4 @@
-"""The fp32 RMSNorm family and the norm-preserving residual gate (SPEC §2-3).
+"""The fp32 RMSNorm family and the norm-preserving residual gate (docs/spec.md §2-3).
 
 Every norm computes in float32 and rounds once, when it stores its output:
     rms(x, eps) = x * rsqrt(mean(x**2, -1) + eps)

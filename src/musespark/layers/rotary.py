@@ -1,4 +1,4 @@
-"""Rotary position embedding, rotate-half form, with a per-layer base (SPEC §1, §3).
+"""Rotary position embedding, rotate-half form, with a per-layer base (docs/spec.md §1, §3).
 
 Checkpoints store Q/K rows per head in rotate-half order, so rotating them as stored
 equals the production system's interleaved rotation. cos/sin are built in float32.

@@ -1,5 +1,5 @@
 """The DSpark draft: a semi-autoregressive block drafter over the target's hidden states
-(DSPARK.md §3-§5). Config: `dspark_config.DSparkConfig`.
+(docs/speculative.md §3-§5). Config: `dspark_config.DSparkConfig`.
 
 One step: (a) the target's fp32 stream after `target_layer_ids` (concatenated, [n, n_t*T]) goes
 through `fc` + `hidden_norm`, and every draft layer projects it into its own context K/V at the

@@ -1,4 +1,4 @@
-"""The DSpark draft's config family, `model_type = "muse_spark_dspark"` (DSPARK.md §2).
+"""The DSpark draft's config family, `model_type = "muse_spark_dspark"` (docs/speculative.md §2).
 
 `DSparkConfig.from_dict` parses a draft `config.json` strictly: a key that is neither a
 field below nor one of the declared-but-unused keys (§2.1) is an error naming it, and so is a

@@ -1,4 +1,4 @@
-"""The DSpark draft's building blocks on the shared layers (DSPARK.md §4.1, §4.3):
+"""The DSpark draft's building blocks on the shared layers (docs/speculative.md §4.1, §4.3):
 interleaved RoPE (`layers.rotary`), the fp32 RMSNorm family and the gated residual blend
 (`layers.norm`), SwiGLU and linears (`layers.moe.DenseMlp`, `layers.linear.Linear`), the
 masked GQA attention of the training pack, and a cache for tensors derived from weights

@@ -1,4 +1,4 @@
-"""Reading and writing DSpark draft checkpoints (DSPARK.md §3), and the target-side aux
+"""Reading and writing DSpark draft checkpoints (docs/speculative.md §3), and the target-side aux
 stream (§6) for callers that run the target themselves (training, tests, benchmarks).
 
 A draft directory holds `config.json` (`muse_spark_dspark`) and `model.safetensors` (or

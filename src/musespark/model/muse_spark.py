@@ -1,4 +1,4 @@
-"""The Muse Spark 1x text decoder (SPEC §2-3).
+"""The Muse Spark 1x text decoder (docs/spec.md §2-3).
 
 Module names follow the checkpoint's tensor names, so loading is mechanical:
 `model.state_dict()` keys are exactly `checkpoint.names.expected_shapes(cfg)`.
@@ -177,7 +177,7 @@ class MuseSparkForCausalLM(nn.Module):
         self.parallel = parallel  # one process unless parallel/ built this rank's shard
         self.backend: Backend = backend or TorchBackend()
         # Pipeline parallel: this stage's layers [start, end); the embedding lives on the
-        # first stage, the final norm and the head on the last (PARALLEL.md §6).
+        # first stage, the final norm and the head on the last (docs/parallel.md §6).
         self.layer_range = parallel.layer_range(cfg.num_hidden_layers)
         start, end = self.layer_range
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, parallel) if parallel.is_first_stage else None

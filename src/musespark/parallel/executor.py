@@ -2,7 +2,7 @@
 samples), and it spawns tp * pp - 1 worker processes (`multiprocessing` "spawn") joined over
 gloo. Each step rank 0 broadcasts the model call's inputs (`StepInputs`: token ids,
 positions, slots, block tables, which rows to score), every rank runs the same forward on
-its shard, and the collectives inside give rank 0 the full logits (PARALLEL.md §9). What a
+its shard, and the collectives inside give rank 0 the full logits (docs/parallel.md §9). What a
 worker rank runs is the engine's loop (`engine/parallel_worker.py`), handed in by the engine:
 this module only makes the processes and the group.
 

@@ -5,7 +5,7 @@ stage, tensor-parallel rank): the bytes of every weight the rank holds, by part,
 cache bytes per token. It is the single source of truth for "what should rank r hold";
 a sharded engine's resident bytes are meant to be checked against it.
 
-Layout (vLLM 0.33.0, /work/shared/PARALLEL.md §0, §1, §4, §6, §8; DP = 1):
+Layout (vLLM 0.33.0, docs/parallel.md §0, §1, §4, §6, §8; DP = 1):
   * Global rank = pp_rank * tp + tp_rank (TP innermost). The EP group is the TP group of a
     stage, so ep_size = tp when expert parallelism is on, else 1.
   * Attention: q and the output gate hold nH/tp heads, k and v nKV/tp heads (no KV
@@ -27,24 +27,24 @@ Layout (vLLM 0.33.0, /work/shared/PARALLEL.md §0, §1, §4, §6, §8; DP = 1):
     VLLM_PP_LAYER_PARTITION override): L // pp each, the remainder one layer each to the
     stages counted back from the second-to-last. 62 layers: PP2 [31, 31], PP4 [15, 16, 16, 15].
 
-NVFP4 (`quantization="nvfp4"`, /work/shared/NVFP4.md §2-§3): a quantized linear of logical
+NVFP4 (`quantization="nvfp4"`, docs/nvfp4.md §2-§3): a quantized linear of logical
 shape [N, K] holds N·K/2 bytes of packed e2m1 codes plus N·K/16 e4m3 block scales
 (0.5625 B/param; each rank's K must be a multiple of 16) and fp32 global/input scales. The
 default scope ("experts") quantizes the routed experts of every sparse layer except the
 first and last layer of the model (layers 0 and L-1 stay in the model dtype, as in Muse's
-released checkpoint, PARALLEL.md §10); experts hold 6 fp32 scales each (gate_up
+released checkpoint, docs/parallel.md §10); experts hold 6 fp32 scales each (gate_up
 weight_scale_2 and input_scale [E,2], down weight_scale_2 and input_scale [E]), for every
-expert the rank holds (all E without EP). Attention stays unquantized (NVFP4.md §3: the
+expert the rank holds (all E without EP). Attention stays unquantized (docs/nvfp4.md §3: the
 NVIDIA loader cannot permute NVFP4 Q/K rows), as do pooler/unpooler, router, norms,
 gates, embedding and lm_head. Scope "experts+dense" also quantizes dense-MLP layers'
-gate/up/down (NVFP4 unless excluded in NVFP4.md; two fp32 scalars per linear).
+gate/up/down (NVFP4 unless excluded in docs/nvfp4.md; two fp32 scalars per linear).
 
-KV cache (PARALLEL.md §4, §10): each layer of the stage stores 2·(nKV/tp)·D values per token
+KV cache (docs/parallel.md §4, §10): each layer of the stage stores 2·(nKV/tp)·D values per token
 at the KV dtype. Full-attention layers grow with every token (`kv_bytes_per_token`);
 sliding-window layers hold at most `sliding_cap_tokens` = min(sliding_window, max_model_len)
 tokens per sequence, rounded up to whole blocks (`kv_bytes_per_seq_sliding`).
 
-With `device_memory_gb` (GB = 1e9 bytes, the unit of PARALLEL.md §10's table):
+With `device_memory_gb` (GB = 1e9 bytes, the unit of docs/parallel.md §10's table):
 `kv_cache_bytes` = device memory − weights; `kv_tokens` = the full-attention tokens that fit,
 rounded down to whole blocks. Simplification: the sliding layers' per-sequence caps are
 reserved only for `max_num_seqs` sequences when it is given (else nothing is reserved), and
@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import ModelConfig
 
-GB = 1e9  # PARALLEL.md §10's unit
+GB = 1e9  # docs/parallel.md §10's unit
 
 # Weight parts, in display order.
 PARTS = (

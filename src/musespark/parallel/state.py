@@ -1,12 +1,12 @@
 """Where this process sits in a tensor/pipeline/expert-parallel deployment, and the few
 collectives the sharded decoder needs (torch.distributed: gloo on CPUs, NCCL on GPUs).
 
-Rank layout (vLLM's, PARALLEL.md §0): global rank = pp_rank * tp + tp_rank, TP innermost.
+Rank layout (vLLM's, docs/parallel.md §0): global rank = pp_rank * tp + tp_rank, TP innermost.
 A TP group is a stage's `tp` consecutive ranks; with expert parallelism the EP group is the
 TP group (DP = 1). `ParallelContext()` (the default) is one process: every helper is then
 the identity and the model is built exactly as without parallelism.
 
-Numerics (PARALLEL.md §2): partial sums (row-parallel o_proj and dense down_proj, TP-split
+Numerics (docs/parallel.md §2): partial sums (row-parallel o_proj and dense down_proj, TP-split
 experts) are reduced in fp32 and rounded once afterwards; the embedding all-reduce, the EP
 combine and the vocab gather have one contributor per element, so they are exact.
 """

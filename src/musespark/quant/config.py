@@ -1,4 +1,4 @@
-"""A checkpoint's quantization config (/work/shared/NVFP4.md §1) -> the `WeightFormats` that
+"""A checkpoint's quantization config (docs/nvfp4.md §1) -> the `WeightFormats` that
 gives each module its format.
 
 Where it is read (vLLM's order): `config.json["quantization_config"]`, then

@@ -1,11 +1,11 @@
 """NVFP4 ("modelopt_fp4") weight formats: a linear layer and the fused 3-D experts stored as
-packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (NVFP4.md §2, §3),
+packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (docs/nvfp4.md §2, §3),
 kept packed in memory and decoded on every product (a plain-torch reference).
 
 Two numerics modes, one per model:
 - "weight-only": each weight is decoded to fp32, rounded to the activation dtype and
   multiplied with the unquantized activations (vLLM's Hopper/Marlin W4A16 path);
-- "w4a4": the activations are quantized per 16 with the static input scale first (NVFP4.md
+- "w4a4": the activations are quantized per 16 with the static input scale first (docs/nvfp4.md
   §4) and the product is alpha * sum_k (E2M1*sf_x)(E2M1*sf_w) in fp32 with
   alpha = input_scale * weight_scale_2 (the Blackwell GEMM); the experts follow the TRT-LLM
   MoE steps (one input scale A1 = max over experts for GEMM1, A2 for GEMM2, h re-quantized).
@@ -84,7 +84,7 @@ class Nvfp4Linear(LinearFormat):
 
 
 class Nvfp4Experts(ExpertsFormat):
-    """E fused NVFP4 SwiGLU experts named `name` (NVFP4.md §3): `gate_up_proj` uint8
+    """E fused NVFP4 SwiGLU experts named `name` (docs/nvfp4.md §3): `gate_up_proj` uint8
     [E, 2I, Hm/2] (gate rows [0, I), up rows [I, 2I)), `gate_up_proj_weight_scale` e4m3
     [E, 2I, Hm/16], `gate_up_proj_weight_scale_2` fp32 [E, 2] (col 0 gate, col 1 up),
     `down_proj` uint8 [E, Hm, I/2], `down_proj_weight_scale` e4m3 [E, Hm, I/16],
@@ -186,7 +186,7 @@ def check_checkpoint_layout(path: str | Path, specs: dict[str, TensorSpec]) -> N
                         f"{file}: tensor {disk!r} is a per-expert tensor; NVFP4 experts must be stored fused, "
                         f"one 3-D set per layer: {per_expert.group(1)}.gate_up_proj uint8 [E, 2I, Hm/2], "
                         "gate_up_proj_weight_scale e4m3 [E, 2I, Hm/16], gate_up_proj_weight_scale_2 fp32 [E, 2], "
-                        "down_proj uint8 [E, Hm, I/2], ... (NVFP4.md §3)"
+                        "down_proj uint8 [E, Hm, I/2], ... (docs/nvfp4.md §3)"
                     )
                 spec = specs.get(rel)
                 if spec is not None and spec.dtype == CODES and entry.dtype.is_floating_point:

@@ -1,4 +1,4 @@
-"""NVFP4 arithmetic as small pure functions (/work/shared/NVFP4.md §2, §4, §5), shared by the
+"""NVFP4 arithmetic as small pure functions (docs/nvfp4.md §2, §4, §5), shared by the
 weight format (`nvfp4.py`, decoding) and the checkpoint writer (`quantize.py`, encoding).
 
 Vocabulary: a weight of logical shape [..., N, K] (K % 16 == 0) is stored as
@@ -10,7 +10,7 @@ Vocabulary: a weight of logical shape [..., N, K] (K % 16 == 0) is stored as
 E2M1 code: bit 3 sign, bits 2-1 exponent, bit 0 mantissa (values in `E2M1_VALUES`). E4M3FN:
 bias 7, subnormals m * 2^-9, no infinity, 0x7F/0xFF NaN, max 448; decoded by torch's
 float8_e4m3fn -> float32 conversion, which is exact. Every product is an fp32 multiply with
-round-to-nearest-even, in the order NVFP4.md §2 gives (the two scales first).
+round-to-nearest-even, in the order docs/nvfp4.md §2 gives (the two scales first).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def dequantize(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: to
 
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The global decode multiplier f32(amax) / 2688 (NVFP4.md §5.1; `input_scale` alike,
+    """The global decode multiplier f32(amax) / 2688 (docs/nvfp4.md §5.1; `input_scale` alike,
     §5.6). An all-zero tensor (amax 0) gets 1/2688 instead of 0, so its block scales stay
     finite (its codes are all zero either way)."""
     amax = amax.float()
@@ -86,7 +86,7 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 def quantize(w: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float weights [..., N, K] (K % 16 == 0) and a float32 global scale broadcasting against
     [..., N, K/16] (> 0) -> (packed uint8 [..., N, K/2], block_scale e4m3 [..., N, K/16]),
-    ModelOpt's recipe (NVFP4.md §5.2-5.5): s = block_amax / (6 * global), 1 where s == 0,
+    ModelOpt's recipe (docs/nvfp4.md §5.2-5.5): s = block_amax / (6 * global), 1 where s == 0,
     clamped to [2^-9, 448], cast to e4m3 (RNE); codes = e2m1_rne(W / (f32(s) * global))."""
     if w.shape[-1] % BLOCK:
         raise ValueError(f"NVFP4 needs the input dimension to be a multiple of {BLOCK}, got {w.shape[-1]}")
@@ -100,7 +100,7 @@ def quantize(w: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def quantize_activation(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's runtime activation quantization (NVFP4.md §4) of x [..., K] (K % 16 == 0) with
+    """vLLM's runtime activation quantization (docs/nvfp4.md §4) of x [..., K] (K % 16 == 0) with
     the static 0-d `input_scale` (gs = 1 / input_scale), in fp32 with IEEE division (the GPU
     uses rcp.approx: rare boundary cases may differ).
 

@@ -1,4 +1,4 @@
-"""NVFP4 quantization of float weights (ModelOpt's recipe, NVFP4.md §5): the tensors of one
+"""NVFP4 quantization of float weights (ModelOpt's recipe, docs/nvfp4.md §5): the tensors of one
 linear or one experts module, the fused groups that share a global scale, and the two forms
 of the quantization config. The application that loads a model, calibrates it and writes the
 quantized checkpoint is `musespark.apps.quantize` (`musespark quantize`).
@@ -17,7 +17,7 @@ import torch
 from .nvfp4_math import BLOCK, global_scale, quantize
 
 SCOPES = ("experts", "linear")
-PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the format ModelOpt 0.47.0 writes (NVFP4.md §1)
+PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the format ModelOpt 0.47.0 writes (docs/nvfp4.md §1)
 
 
 def check_scope(scope: str) -> str:
@@ -59,7 +59,7 @@ def quantize_experts(
     down_input_amax: torch.Tensor | None,
     share_gate_up: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The fused NVFP4 expert tensors (NVFP4.md §3, relative to the experts module) from
+    """The fused NVFP4 expert tensors (docs/nvfp4.md §3, relative to the experts module) from
     gate_up [E, 2I, Hm] and down [E, Hm, I]; the input amaxes are shared by all experts.
     `share_gate_up` (default): each expert's gate and up get one global scale from their
     joint amax, both columns of `gate_up_proj_weight_scale_2` equal, as ModelOpt 0.47 writes

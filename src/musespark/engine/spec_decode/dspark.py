@@ -1,4 +1,4 @@
-"""The DSpark proposer (DSPARK.md §5): keeps each request's draft context K/V and drafts a
+"""The DSpark proposer (docs/speculative.md §5): keeps each request's draft context K/V and drafts a
 block per step from the target's aux stream.
 
 Where the K/V live (`model/dspark_kv.py`): in the engine, the runner's draft tensors, sized

@@ -1,4 +1,4 @@
-"""Kernel 5: the routed experts at width Hm, grouped by expert (SPEC §3, compressed MoE step 3).
+"""Kernel 5: the routed experts at width Hm, grouped by expert (docs/spec.md §3, compressed MoE step 3).
 
 Three launches, no host synchronisation (tiles are laid out on the device):
 
