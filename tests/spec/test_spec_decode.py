@@ -545,10 +545,10 @@ class WrongProposer(OracleProposer):
 
 
 def test_speculation_backs_off_where_drafts_are_rejected():
-    """A request whose drafts are all rejected drafts only every BACKOFF_PROBE-th step after
-    its acceptance rate falls below BACKOFF_RATE (so it decodes at about the plain speed);
-    one whose drafts are accepted drafts every step. Outputs are the same either way."""
-    from musespark.engine.spec_decode import speculator as spec_module
+    """A request whose drafts are all rejected stops drafting after `backoff.MISSES` of them and
+    then only probes, one token at a time, further and further apart (so it decodes at about the
+    plain speed); one whose drafts are accepted drafts every step. Outputs are the same either way."""
+    from musespark.engine.spec_decode import backoff
 
     text = "the quick brown fox. the quick brown fox. the quick"
     base_llm = LLM(enable_prefix_caching=False)
@@ -560,11 +560,14 @@ def test_speculation_backs_off_where_drafts_are_rejected():
         llm.engine.core.speculator.proposer = proposer(prompt_ids + full.token_ids, llm.engine.config.vocab_size)
         got = llm.generate({"prompt_token_ids": prompt_ids}, params)[0].outputs[0]
         assert got.token_ids == full.token_ids
-        drafts = llm.engine.get_stats().spec_num_drafts
+        stats = llm.engine.get_stats()
+        drafts, draft_tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
         if accepted:
             assert drafts >= 64 // (NGRAM["num_speculative_tokens"] + 1) - 1
-        else:  # a few steps to fall below the threshold, then one probe in BACKOFF_PROBE steps
-            assert drafts <= 5 + 64 // spec_module.BACKOFF_PROBE, drafts
+        else:  # MISSES full drafts, then probes of one token at 8, 16, 32 steps apart
+            probes = drafts - backoff.MISSES
+            assert 1 <= probes <= 3, drafts
+            assert draft_tokens == backoff.MISSES * NGRAM["num_speculative_tokens"] + probes
 
 
 def test_rejected_drafts_never_enter_the_prefix_cache():

@@ -15,13 +15,9 @@ speculate: the grammar would have to advance through drafts), with drafts capped
 max_tokens and max_model_len still hold if every draft is accepted. Requests mid-prefill
 get `num_tokens=0` (the proposer only updates its state).
 
-Back-off (where the issue is silent: speculation should never make a request much slower):
-each request keeps a running acceptance rate (accepted / drafted, an average with weight
-1 - BACKOFF_DECAY on the newest step, starting at 1). While it is below BACKOFF_RATE the
-request drafts only every BACKOFF_PROBE-th step (the steps between decode plainly, and its
-proposer still sees every computed row), so text nothing predicts (sampled prose, at
-temperature 1) costs about a plain decode, and a run that becomes predictable again is
-found within BACKOFF_PROBE steps. Outputs never depend on it (drafts only change speed).
+Back-off (`backoff.py`): a request whose drafts keep failing drafts only on probe steps,
+one token each, further and further apart; its proposer still sees every computed row.
+Outputs never depend on it (drafts only change speed).
 
 Counters follow vLLM's spec_decode metrics: a draft = one request-step that verified >= 1
 draft token; accepted tokens count accepted drafts (not the bonus token); per position j,
@@ -38,6 +34,7 @@ from ...errors import InvalidArgumentError
 from ..model_runner import ModelRunnerOutput
 from ..request import Request, RequestStatus
 from ..scheduler import ScheduledBatch
+from .backoff import Backoff
 from .config import SpeculativeConfig
 from .ngram import NgramProposer
 from .proposer import ProposalRequest, Proposer
@@ -74,11 +71,6 @@ def build_proposer(config: SpeculativeConfig, target: torch.nn.Module, target_pa
     raise InvalidArgumentError(f"speculative_config: unknown method {config.method!r}", param="speculative_config")
 
 
-BACKOFF_RATE = 0.25
-BACKOFF_DECAY = 0.7
-BACKOFF_PROBE = 8
-
-
 class Speculator:
     def __init__(
         self,
@@ -93,8 +85,7 @@ class Speculator:
         self.proposer = proposer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self._rate: dict[str, float] = {}  # request id -> running acceptance rate
-        self._idle: dict[str, int] = {}  # request id -> steps since it last drafted (backing off)
+        self.backoff = Backoff()
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -102,19 +93,7 @@ class Speculator:
 
     def drop(self, request_id: str) -> None:
         self.proposer.drop(request_id)
-        self._rate.pop(request_id, None)
-        self._idle.pop(request_id, None)
-
-    def _backing_off(self, request_id: str) -> bool:
-        """Whether this request skips drafting this step (low acceptance, not a probe step)."""
-        if self._rate.get(request_id, 1.0) >= BACKOFF_RATE:
-            return False
-        idle = self._idle.get(request_id, 0) + 1
-        if idle >= BACKOFF_PROBE:
-            self._idle[request_id] = 0
-            return False
-        self._idle[request_id] = idle
-        return True
+        self.backoff.drop(request_id)
 
     def _budget(self, request: Request) -> int:
         """Drafts this request may verify next step (0: it does not speculate)."""
@@ -147,8 +126,7 @@ class Speculator:
                 self.num_accepted_tokens += accepted
                 for j in range(accepted):
                     self.accepted_per_pos[j] += 1
-                rate = self._rate.get(request.request_id, 1.0)
-                self._rate[request.request_id] = BACKOFF_DECAY * rate + (1 - BACKOFF_DECAY) * accepted / len(drafts)
+                self.backoff.record(request.request_id, len(drafts), accepted)
             if request.status is not RequestStatus.RUNNING:
                 continue
             start = computed_before[i]
@@ -156,9 +134,7 @@ class Speculator:
             if out.aux is not None:
                 row = out.first_row[request.request_id]
                 hidden = out.aux[row : row + request.num_computed_tokens - start]
-            budget = self._budget(request)
-            if budget and self._backing_off(request.request_id):
-                budget = 0
+            budget = self.backoff.allowance(request.request_id, self._budget(request))
             table = None if self.draft_group is None else batch.block_tables[i][self.draft_group]
             asks.append(ProposalRequest(request.request_id, request.token_ids, start, hidden, budget, table))
             targets.append(request)
