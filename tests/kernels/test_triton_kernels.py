@@ -390,6 +390,7 @@ def _paged_logits(model: MuseSparkForCausalLM, seqs: list[list[int]]) -> list[to
     return [torch.stack(g) for g in got]
 
 
+@pytest.mark.slow
 def test_model_forward_fp32_matches_the_torch_backend():
     model = _model(torch.float32, seed=3)
     seqs = [torch.randint(3, CFG.vocab_size, (n,), generator=gen(12)).tolist() for n in (19, 13, 11)]

@@ -63,6 +63,7 @@ def test_llm_parallel_matches_one_process(one_process, tp, pp, ep):
     assert (preemptions, hits) == (ref_preemptions, ref_hits)
 
 
+@pytest.mark.slow
 def test_serve_tp2_and_a_dead_worker(tmp_path, one_process):
     # The same engine settings as `run` (half the per-rank KV budget: the same blocks), so the
     # server schedules as one process does: prefix hits and preemptions included.
@@ -138,6 +139,7 @@ def test_signals_tear_down_every_worker(tmp_path, sig):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_torchrun_launch(tmp_path):
     """The multi-node path, on one machine: torchrun starts both ranks; rank 0 generates,
     rank 1 serves it as a worker; the text equals one process's."""

@@ -146,6 +146,7 @@ def test_bench_throughput(cache):
     assert out["total_tokens_per_s"] > out["output_tokens_per_s"]
 
 
+@pytest.mark.slow
 def test_bench_serve(cache, tmp_path):
     from test_server import ServerProcess
 

@@ -28,6 +28,7 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_the_bundled_model(server, tmp_path):
     model_args = (
         f"base_url={server.url}/v1/completions,model=musespark-tiny,tokenizer={bundled_model_path()},"
