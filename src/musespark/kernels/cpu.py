@@ -1,5 +1,21 @@
 """The native CPU kernels (`csrc/`, by operation), compiled on first use and cached.
 
+The sources, one folder per operation, each holding the op and its kernels per ISA path:
+  csrc/common/     the dispatch table (dispatch.h: one row per kernel path, avx2, avx512_bf16,
+                   amx_emulated, amx_bf16, mapping each operation to the function that runs it),
+                   CPU detection and batch invariance (isa.h), SIMD helpers, the AMX tile
+                   primitives and tile state, the output buffer pool, the decoder-step entry points;
+  csrc/gemm/       products with weights: the jobs and their split across threads, the AVX2 fp32
+                   tiles, the AVX-512-BF16 dot and panel kernels, the AMX panel kernel, the ops
+                   `linear_small_m` and `softcapped_logits`;
+  csrc/attention/  paged decode attention (AVX2, AVX-512-BF16) and prompt attention
+                   (AVX-512-BF16, AMX);
+  csrc/nvfp4/      NVFP4 weight-only rows (AVX2, AVX-512) and their tables, `nvfp4_linear`;
+  csrc/norm/       the RMSNorm row helpers and `rms_norm`;
+  csrc/blocks/     the fused decoder blocks and the one-call decode plan.
+Files compiled for AVX-512 or AMX say so by a `#pragma GCC target` after their plain-C++
+includes; every file shares the flags below.
+
 Built with PyTorch's extension builder (the system C++ compiler and ninja) into
 `$MUSESPARK_CACHE/kernels` (default `~/.cache/musespark/kernels`); later processes load
 the cached library in well under a second. `python -m musespark.kernels` builds it
@@ -33,9 +49,8 @@ from ..cpu_features import cpu_flags, cpu_model, isa
 
 logger = logging.getLogger(__name__)
 
-# The sources, by operation (csrc/{common,gemm,attention,nvfp4,norm,blocks}/; common/dispatch.h maps
-# each kernel path to its implementations). torch's builder names each object file after its
-# source's base name, so the base names are unique across the folders.
+# Every source and header under csrc/<operation>/ (the module docstring). torch's builder names
+# each object file after its source's base name, so the base names are unique across the folders.
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = sorted(_CSRC.glob("*/*.cpp"))
 _HEADERS = sorted(_CSRC.glob("*/*.h"))

@@ -1,6 +1,7 @@
 // Prompt attention on AMX tiles: musespark_avx512::prefill_attention_rows
-// (attention/attention_kernels.h, attention/prefill_attention.cpp: the contract and the packed layouts) with Q K^T and P V by
-// TDPBF16PS, on the amx_bf16 path for head dims that are multiples of 32.
+// (attention/attention_kernels.h, attention/prefill_attention.cpp: the contract and the packed
+// layouts) with Q K^T and P V by TDPBF16PS, on the amx_bf16 path for head dims that are
+// multiples of 32.
 //
 // Why: a prompt's attention is compute-bound (a 2048-token prompt spent a third of its time
 // there on the Xeon measured: benchmarks/RESULTS.md, at f0fbb0f), and one TDPBF16PS does

@@ -1,7 +1,8 @@
 // AMX-BF16 tile primitives shared by the tile kernels (gemm/bf16_panels_amx.cpp: the panel
-// product; attention/prefill_amx.cpp: prompt attention; common/amx_state.cpp: the tile state). Included only by files compiled for AVX-512
-// (their `#pragma GCC target`), after the pragma; the headers it needs (below) come before
-// the pragma, so none of them is compiled for AVX-512. Everything here has internal linkage.
+// product; attention/prefill_amx.cpp: prompt attention; common/amx_state.cpp: the tile state).
+// Included only by files compiled for AVX-512 (their `#pragma GCC target`), after the pragma;
+// the headers it needs (below) come before the pragma, so none of them is compiled for
+// AVX-512. Everything here has internal linkage.
 //
 // `Hardware` issues the tile instructions; `Emulated` models them in software (TDPBF16PS as
 // the Intel SDM states it per element), so the tests run every tile schedule on CPUs without
@@ -249,7 +250,6 @@ T* scratch(int slot, int64_t count) {
   }
   return static_cast<T*>(b.p);
 }
-
 
 }  // namespace
 }  // namespace musespark_amx

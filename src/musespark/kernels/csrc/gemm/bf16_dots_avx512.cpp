@@ -19,7 +19,6 @@ namespace {
 using musespark_simd512::load_bh;
 using musespark_simd512::sum16;
 
-
 // Weight rows per tile, x rows per tile: 4 x 6 = 24 zmm accumulators + 4 weights + 1 x.
 constexpr int kNR = 4;
 constexpr int kMR = 6;
