@@ -32,11 +32,11 @@ def save_random_checkpoint(path: Path, cfg, seed: int) -> Path:
     return path
 
 
-# The native kernels' code paths (kernels/cpu_isa.h), lowest first, and the ISA level
+# The native kernels' code paths (kernels/csrc/common/dispatch.h), lowest first, and the ISA level
 # (cpu_features.ISA_LEVELS) each needs. A test that takes the `kernel_path` fixture runs once
 # per path; a path this CPU cannot execute is skipped with a message naming it, never
 # silently. "amx_emulated" is the amx_bf16 path with its tile instructions modelled in
-# software (kernels/cpu_amx.cpp): the AMX schedule checked on CPUs without AMX.
+# software (kernels/csrc/common/amx_tiles.h): the AMX schedule checked on CPUs without AMX.
 KERNEL_PATHS = {"avx2": "avx2", "avx512_bf16": "avx512_bf16", "amx_emulated": "avx512_bf16", "amx_bf16": "amx_bf16"}
 
 

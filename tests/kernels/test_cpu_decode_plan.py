@@ -1,4 +1,4 @@
-"""The cpu backend's decode plan (backends/cpu_decode.py, kernels/cpu_decode_plan.cpp): a pure
+"""The cpu backend's decode plan (backends/cpu_decode.py, kernels/csrc/blocks/decode_plan.cpp): a pure
 decode step of the whole model in one native call must give the step-by-step path's bits, and
 must follow the model and the step it was built for."""
 

@@ -52,7 +52,7 @@ def test_linear_is_as_accurate_as_torch(wdtype, M, N, K, kernel_path):
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 def test_a_row_never_depends_on_its_batch(wdtype, kernel_path):
     """Every tile shape, the remainder rows, the weight streams of products of up to three
-    rows (cpu_gemv.h stream_rows; N = 9 and 70 leave 1 and 2 rows past the streams) and
+    rows (csrc/gemm/avx2_tiles.h stream_rows; N = 9 and 70 leave 1 and 2 rows past the streams) and
     (K = 2048: 60-row chunks on the AVX-512 path, 30-row blocks of x on the fp32 tiles,
     weight_tiles) several x chunks give each row the bits it gets alone."""
     g = torch.Generator().manual_seed(7)
@@ -68,10 +68,10 @@ def test_a_row_never_depends_on_its_batch(wdtype, kernel_path):
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 def test_products_split_across_threads_give_the_one_thread_bits(wdtype, kernel_path):
     """A product's tiles start out split between the threads and the first thread done takes
-    chunks from the back of the other's share (cpu_gemv.h TileRange), so which thread runs a
+    chunks from the back of the other's share (csrc/gemm/jobs.cpp TileRange), so which thread runs a
     tile changes from run to run: every run must still give every element the bits one
     thread gives, with no tile lost or run twice into the wrong place. (300 rows on the fp32
-    tiles: two blocks of x, each take running its tiles over both, cpu_gemv.h weight_tiles.)"""
+    tiles: two blocks of x, each take running its tiles over both, csrc/gemm/avx2_tiles.h weight_tiles.)"""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(3001, 264, generator=g).to(wdtype)
     packed = cpu.pack_panels(w) if wdtype == torch.bfloat16 and kernel_path in PANEL_PATHS else None
@@ -101,7 +101,7 @@ def test_products_split_across_threads_give_the_one_thread_bits(wdtype, kernel_p
 @pytest.mark.parametrize("M,N,K", [(1, 1, 8), (3, 70, 40), (6, 64, 64), (13, 129, 1032), (70, 200, 2056)])
 def test_prompt_rows_are_as_accurate_as_torch_and_never_depend_on_their_batch(M, N, K, kernel_path):
     """Prompt rows (`prompt_rows` true) take the panel kernel on the AVX-512 path
-    (kernels/cpu_gemv.h split_prompt_runs): as accurate as torch's product, each row the bits
+    (kernels/csrc/gemm/jobs.cpp split_prompt_runs): as accurate as torch's product, each row the bits
     it gets alone or next to other rows of either kind, whatever the run boundaries (K over
     1024: several packed chunks; N over 64: several panels, a partial last one)."""
     g = torch.Generator().manual_seed(M * 7 + N + K)
@@ -199,7 +199,7 @@ def test_packed_panels_give_every_row_the_panel_kernels_bits(M, N, K, kernel_pat
     from the weight packed on the fly, alone or in any batch; on the AVX2 path the panels are
     ignored. Shapes: a partial last panel, several K chunks, several x tiles; 533 rows: on
     the AMX path two superblocks of 256 rows against several panels per call, then an odd
-    block and a partial one (kernels/cpu_amx.cpp), where the weight packed on the fly takes
+    block and a partial one (kernels/csrc/gemm/bf16_panels_amx.cpp), where the weight packed on the fly takes
     every row against one panel at a time."""
     g = torch.Generator().manual_seed(M * 5 + N + K)
     w = torch.randn(N, K, generator=g).bfloat16()
@@ -486,7 +486,7 @@ def test_rms_norm_matches_the_formula(in_dtype, out_dtype, input_scaled):
 
 @needs_ops
 def test_prompt_sized_outputs_reuse_freed_blocks_and_never_live_ones():
-    """The ops' outputs of 1 MiB and more come from blocks kept across calls (kernels/cpu_pool.h):
+    """The ops' outputs of 1 MiB and more come from blocks kept across calls (kernels/csrc/common/pool.h):
     one freed is handed to the next output of its size; one alive never is."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(512, 1024, generator=g)  # a 2 MiB fp32 output
@@ -575,7 +575,7 @@ def test_fused_layers_match_the_module_path(T, kernel_path):
 @pytest.mark.parametrize("T", [1, 4, 600])
 def test_moe_results_do_not_depend_on_the_thread_count(T, kernel_path):
     """With several threads, bf16 experts on the AVX-512 path may run whole on one thread each
-    (gather, gate/up, SwiGLU, down: cpu_ffn_block.cpp whole_expert_tasks; an expert of over
+    (gather, gate/up, SwiGLU, down: csrc/blocks/ffn_block.cpp whole_expert_tasks; an expert of over
     256 rows as several tasks, which 600 tokens x 4 of 8 experts make); with one thread,
     their tiles run in turn. Each row meets the same kernel and tiles either way, so every
     bit agrees, for decode rows and for prompt rows (which take the panel kernel)."""

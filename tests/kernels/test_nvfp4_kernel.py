@@ -1,4 +1,4 @@
-"""The native weight-only NVFP4 kernel (kernels/cpu_nvfp4.cpp, `nvfp4_linear`) and the cpu
+"""The native weight-only NVFP4 kernel (kernels/csrc/nvfp4/, `nvfp4_linear`) and the cpu
 backend's routing of NVFP4 products to it (backends/cpu_backend.py).
 
 Tolerance (the kernel's contract): it decodes every weight to the same fp32 value as the

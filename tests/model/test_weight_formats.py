@@ -90,7 +90,7 @@ def test_the_cpu_backend_leaves_unknown_formats_to_the_reference(checkpoints):
     native = model.prompt_logits(ids)
     model.backend = select_backend("torch", model)
     reference = model.prompt_logits(ids)
-    # Only the native norms (embedding and final: kernels/cpu_rows.h sums their squares in 16
+    # Only the native norms (embedding and final: kernels/csrc/norm/rows.h sums their squares in 16
     # lanes, torch in its own order) and the head kernel remain: rounding-level differences.
     assert torch.equal(native.argmax(-1), reference.argmax(-1))
     assert (native - reference).abs().max() <= 5e-3 * reference.abs().max()

@@ -1,4 +1,20 @@
-"""The native CPU kernels (`cpu_*.cpp`, `cpu_*.h`), compiled on first use and cached.
+"""The native CPU kernels (`csrc/`, by operation), compiled on first use and cached.
+
+The sources, one folder per operation, each holding the op and its kernels per ISA path:
+  csrc/common/     the dispatch table (dispatch.h: one row per kernel path, avx2, avx512_bf16,
+                   amx_emulated, amx_bf16, mapping each operation to the function that runs it),
+                   CPU detection and batch invariance (isa.h), SIMD helpers, the AMX tile
+                   primitives and tile state, the output buffer pool, the decoder-step entry points;
+  csrc/gemm/       products with weights: the jobs and their split across threads, the AVX2 fp32
+                   tiles, the AVX-512-BF16 dot and panel kernels, the AMX panel kernel, the ops
+                   `linear_small_m` and `softcapped_logits`;
+  csrc/attention/  paged decode attention (AVX2, AVX-512-BF16) and prompt attention
+                   (AVX-512-BF16, AMX);
+  csrc/nvfp4/      NVFP4 weight-only rows (AVX2, AVX-512) and their tables, `nvfp4_linear`;
+  csrc/norm/       the RMSNorm row helpers and `rms_norm`;
+  csrc/blocks/     the fused decoder blocks and the one-call decode plan.
+Files compiled for AVX-512 or AMX say so by a `#pragma GCC target` after their plain-C++
+includes; every file shares the flags below.
 
 Built with PyTorch's extension builder (the system C++ compiler and ninja) into
 `$MUSESPARK_CACHE/kernels` (default `~/.cache/musespark/kernels`); later processes load
@@ -33,37 +49,11 @@ from ..cpu_features import cpu_flags, cpu_model, isa
 
 logger = logging.getLogger(__name__)
 
-_HEADERS = [
-    Path(__file__).with_name(n)
-    for n in (
-        "cpu_simd.h",
-        "cpu_gemv.h",
-        "cpu_rows.h",
-        "cpu_block.h",
-        "cpu_isa.h",
-        "cpu_nvfp4.h",
-        "cpu_ops.h",
-        "cpu_amx_tiles.h",
-        "cpu_simd512.h",
-        "cpu_pool.h",
-    )
-]
-_SOURCES = [
-    Path(__file__).with_name(n)
-    for n in (
-        "cpu_linear.cpp",
-        "cpu_attention.cpp",
-        "cpu_norm.cpp",
-        "cpu_attn_block.cpp",
-        "cpu_ffn_block.cpp",
-        "cpu_nvfp4.cpp",
-        "cpu_avx512.cpp",
-        "cpu_amx.cpp",
-        "cpu_amx_attention.cpp",
-        "cpu_prefill_attention.cpp",
-        "cpu_decode_plan.cpp",
-    )
-]
+# Every source and header under csrc/<operation>/ (the module docstring). torch's builder names
+# each object file after its source's base name, so the base names are unique across the folders.
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = sorted(_CSRC.glob("*/*.cpp"))
+_HEADERS = sorted(_CSRC.glob("*/*.h"))
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
@@ -97,7 +87,7 @@ BATCH_INVARIANT_ENV = "MUSESPARK_BATCH_INVARIANT"
 def batch_invariant() -> bool:
     """Whether a request's tokens must not depend on its batch (MUSESPARK_BATCH_INVARIANT,
     default 1). 0 lets prompt-sized bf16 products use oneDNN's GEMM on AVX-512-BF16/AMX
-    CPUs (kernels/cpu_isa.h): faster prefill; a decode row batched with a prompt may then
+    CPUs (kernels/csrc/common/isa.h): faster prefill; a decode row batched with a prompt may then
     round differently than alone (vLLM's batch invariance is opt-in the same way)."""
     value = os.environ.get(BATCH_INVARIANT_ENV, "1")
     if value not in ("0", "1"):
@@ -122,7 +112,7 @@ def expert_panels(expert_bytes: int) -> bool:
     (MUSESPARK_EXPERT_PANELS: 1 yes, 0 no, auto (default) when the copy, `expert_bytes` more,
     fits in a quarter of the memory available now). Packed, every expert row takes the panel
     kernel, 1.05x (batch 1) to 1.09x (48 rows) faster decode steps on Zen 4
-    (benchmarks/RESULTS.md, session 17), at the cost of holding the experts, most of a MoE
+    (benchmarks/RESULTS.md, at 965088c), at the cost of holding the experts, most of a MoE
     model, twice. Decided once per backend, so a backend's rows never change kernel."""
     global expert_panels_chosen
     value = expert_panels_setting()
@@ -143,7 +133,7 @@ def path_for(level: str) -> str:
     return level if level in ("avx512_bf16", "amx_bf16") else "avx2"
 
 
-# The paths whose bf16 products read packed weight panels (kernels/cpu_gemv.h); "amx_emulated"
+# The paths whose bf16 products read packed weight panels (kernels/csrc/gemm/jobs.h); "amx_emulated"
 # is the amx_bf16 path with the tile instructions modelled in software (tests only).
 PANEL_PATHS = ("avx512_bf16", "amx_bf16", "amx_emulated")
 
@@ -153,19 +143,20 @@ def amx_unusable_reason() -> str:
     return _amx_reason
 
 
-PANEL_ROWS = 64  # kernels/cpu_isa.h kPanelRows
-GROUP_PAIRS = 16  # kernels/cpu_isa.h kGroupPairs
+PANEL_ROWS = 64  # kernels/csrc/gemm/gemm_kernels.h kPanelRows
+GROUP_PAIRS = 16  # kernels/csrc/gemm/gemm_kernels.h kGroupPairs
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (K even) in the layout both panel kernels read (kernels/cpu_isa.h,
-    kernels/cpu_gemv.h `panels_arg`): int32 [ceil(N / 64), K / 2, 64], panel p's K / 2 * 64
-    words in tile order. The word of (pair q, column c) holds the bf16 pair (w[64p + c, 2q],
-    w[64p + c, 2q + 1]), low half first, and sits at `panel_word(q, c, K // 2)`: the pairs in
-    groups of 16 (4 KiB; the last may be shorter), each group as 4 blocks of 16 columns (1 KiB
-    AMX tiles), each block pair after pair. Rows past N are zeros. Experts [E, N, K] give each
-    expert's panels in turn: [E, ceil(N / 64), K / 2, 64]. A second copy of the weight (the
-    same bytes), made once per weight."""
+    """A bf16 weight [N, K] (K even) in the layout both panel kernels read
+    (kernels/csrc/gemm/gemm_kernels.h, kernels/csrc/gemm/jobs.h `panels_arg`):
+    int32 [ceil(N / 64), K / 2, 64], panel p's K / 2 * 64 words in tile order. The word of
+    (pair q, column c) holds the bf16 pair (w[64p + c, 2q], w[64p + c, 2q + 1]), low half
+    first, and sits at `panel_word(q, c, K // 2)`: the pairs in groups of 16 (4 KiB; the last
+    may be shorter), each group as 4 blocks of 16 columns (1 KiB AMX tiles), each block pair
+    after pair. Rows past N are zeros. Experts [E, N, K] give each expert's panels in turn:
+    [E, ceil(N / 64), K / 2, 64]. A second copy of the weight (the same bytes), made once per
+    weight."""
     if w.dtype != torch.bfloat16 or w.dim() not in (2, 3) or w.shape[-1] % 2:
         raise ValueError(
             "pack_panels: expected a bfloat16 [N, K] weight with K even (or experts' [E, N, K]), "
@@ -194,7 +185,7 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 
 def panel_word(q: int, c: int, pairs: int) -> int:
-    """The word of (pair q, column c) in a panel of `pairs` pairs (kernels/cpu_isa.h)."""
+    """The word of (pair q, column c) in a panel of `pairs` pairs (kernels/csrc/gemm/gemm_kernels.h)."""
     g, r = divmod(q, GROUP_PAIRS)
     gp = min(GROUP_PAIRS, pairs - g * GROUP_PAIRS)
     return g * GROUP_PAIRS * PANEL_ROWS + 16 * gp * (c // 16) + 16 * r + c % 16
@@ -249,10 +240,11 @@ def cache_dir() -> Path:
 
 def native_ops() -> Any:
     """The `torch.ops.musespark_cpu` namespace, or None if the kernels are unavailable:
-    `linear_small_m` (cpu_linear.cpp), `paged_decode_attention` (cpu_attention.cpp),
-    `rms_norm` (cpu_norm.cpp) and the fused decoder blocks `attn_in`, `attn_out`
-    (cpu_attn_block.cpp), `ffn_dense`, `ffn_moe` (cpu_ffn_block.cpp; cpu_block.h says what
-    they share); each file states its contract."""
+    `linear_small_m` (csrc/gemm/linear.cpp), `paged_decode_attention`
+    (csrc/attention/decode_attention.cpp), `rms_norm` (csrc/norm/rms_norm.cpp) and the fused
+    decoder blocks `attn_in`, `attn_out` (csrc/blocks/attn_block.cpp), `ffn_dense`, `ffn_moe`
+    (csrc/blocks/ffn_block.cpp; csrc/blocks/block.h says what they share); each file states its
+    contract."""
     if _tried:
         return _ops
     return _build()
@@ -372,6 +364,9 @@ def _compile() -> Any:
         return torch.ops.musespark_cpu
     from torch.utils.cpp_extension import load
 
+    stems = [p.stem for p in _SOURCES]
+    if len(set(stems)) != len(stems):  # one object file per base name (see _SOURCES)
+        raise RuntimeError(f"kernel sources share a base name: {sorted(s for s in stems if stems.count(s) > 1)}")
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:

@@ -1,9 +1,10 @@
-// Prompt attention on AMX tiles: musespark_avx512::prefill_attention_rows (cpu_isa.h,
-// cpu_prefill_attention.cpp: the contract and the packed layouts) with Q K^T and P V by
-// TDPBF16PS, on the amx_bf16 path for head dims that are multiples of 32.
+// Prompt attention on AMX tiles: musespark_avx512::prefill_attention_rows
+// (attention/attention_kernels.h, attention/prefill_attention.cpp: the contract and the packed
+// layouts) with Q K^T and P V by TDPBF16PS, on the amx_bf16 path for head dims that are
+// multiples of 32.
 //
 // Why: a prompt's attention is compute-bound (a 2048-token prompt spent a third of its time
-// there on the Xeon measured: benchmarks/RESULTS.md, session 23), and one TDPBF16PS does
+// there on the Xeon measured: benchmarks/RESULTS.md, at f0fbb0f), and one TDPBF16PS does
 // 8192 bf16 products.
 //
 // Schedule: 16 query rows of one head (consecutive tokens) at a time, against blocks of 32
@@ -18,19 +19,20 @@
 // not reach leaves its state as it was (its weights are +0, its max and sums unchanged), so
 // a row's result does not depend on which rows share its tile or on the chunk's length.
 // The bits differ from the AVX-512 kernel's (other summation order), so a CPU runs one or
-// the other (cpu_isa.h level()).
+// the other (common/dispatch.h).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
 
-#include "cpu_isa.h"
+#include "../gemm/gemm_kernels.h"
+#include "attention_kernels.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
 
-#include "cpu_amx_tiles.h"
-#include "cpu_simd512.h"
+#include "../common/amx_tiles.h"
+#include "../common/simd512.h"
 
 namespace musespark_amx {
 namespace {
@@ -128,11 +130,14 @@ void prefill_attention_rows(const uint16_t* q, int64_t nH, int64_t D, int64_t he
                             const uint16_t* vp, int64_t m, int64_t q0, int64_t k0, int64_t window, float scale,
                             int64_t t0, int64_t t1, uint16_t* out) {
   tiles_begin();  // free inside the caller's scope
-  if (musespark_isa::amx_emulated())
-    attend<Emulated>(q, nH, D, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
-  else
-    attend<Hardware>(q, nH, D, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
+  attend<Hardware>(q, nH, D, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
   tiles_end();
+}
+
+void prefill_attention_rows_emulated(const uint16_t* q, int64_t nH, int64_t D, int64_t head, const uint16_t* kp,
+                                     const uint16_t* vp, int64_t m, int64_t q0, int64_t k0, int64_t window,
+                                     float scale, int64_t t0, int64_t t1, uint16_t* out) {
+  attend<Emulated>(q, nH, D, head, kp, vp, m, q0, k0, window, scale, t0, t1, out);
 }
 
 }  // namespace musespark_amx

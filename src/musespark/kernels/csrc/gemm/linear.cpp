@@ -1,8 +1,8 @@
 // `linear_small_m(x, w)`: y[M, N] = x[M, K] @ w[N, K]^T on x86 CPUs with AVX2+FMA, the
-// kernel of cpu_gemv.h behind a torch op; `softcapped_logits` the same product with the
+// products of gemm/jobs.h behind a torch op; `softcapped_logits` the same product with the
 // head's soft cap applied on the way out.
 //
-// `panels` (optional): a bf16 w packed once (cpu_gemv.h panels_arg), multiplied by the
+// `panels` (optional): a bf16 w packed once (gemm/jobs.h panels_arg), multiplied by the
 // AVX-512-BF16 panel kernel on that path and ignored on the others.
 //
 // Invariants: x is fp32 or bf16 [M, K]; w is bf16 or fp32 [N, K]; K % 8 == 0; the result
@@ -11,84 +11,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu_gemv.h"
-#include "cpu_isa.h"
-#include "cpu_simd.h"
-
 #include <ATen/Parallel.h>
-#include <cpuid.h>
 #include <immintrin.h>
 
-#include <algorithm>
-#include <atomic>
-#include <string>
-
-namespace musespark_isa {
+#include "../common/simd.h"
+#include "jobs.h"
 
 namespace {
-std::atomic<int> current{kAvx2};
-std::atomic<bool> emulated{false};
-std::atomic<bool> invariant{true};
-
-// AMX-TILE and AMX-BF16 in CPUID (leaf 7: EDX bits 24 and 22), their state enabled by the OS
-// (XCR0 bits 17-18), and this process allowed to use it.
-bool cpu_has_amx() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
-  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-  if (!__get_cpuid(1, &a1, &b1, &c1, &d1) || !(c1 & (1u << 27))) return false;  // OSXSAVE
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (lo & (3u << 17)) == (3u << 17) && musespark_amx::request_permission();
-}
-}  // namespace
-
-int level() { return current.load(std::memory_order_relaxed); }
-bool amx_emulated() { return emulated.load(std::memory_order_relaxed); }
-bool batch_invariant() { return invariant.load(std::memory_order_relaxed); }
-void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxed); }
-
-bool set_level(int want, bool emulate) {
-  if (want >= kAvx512Bf16) {
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-          __builtin_cpu_supports("avx512bf16")))
-      return false;
-  }
-  if (want >= kAmxBf16 && !emulate && !cpu_has_amx()) return false;
-  current.store(want >= kAmxBf16 ? kAmxBf16 : want >= kAvx512Bf16 ? kAvx512Bf16 : kAvx2, std::memory_order_relaxed);
-  emulated.store(want >= kAmxBf16 && emulate, std::memory_order_relaxed);
-  return true;
-}
-
-}  // namespace musespark_isa
-
-namespace {
-
-// The kernels' code path (cpu_isa.h): "avx2", "avx512_bf16", "amx_bf16", or "amx_emulated"
-// (the amx_bf16 path with its tile instructions modelled in software: tests only). Returns
-// the path now in use.
-std::string set_isa(const std::string& path) {
-  using namespace musespark_isa;
-  const int want = path == "avx2" ? kAvx2 : path == "avx512_bf16" ? kAvx512Bf16 : kAmxBf16;
-  TORCH_CHECK(path == "avx2" || path == "avx512_bf16" || path == "amx_bf16" || path == "amx_emulated",
-              "set_isa: expected 'avx2', 'avx512_bf16', 'amx_bf16' or 'amx_emulated', got '", path, "'");
-  TORCH_CHECK(set_level(want, path == "amx_emulated"), "set_isa: this CPU cannot run the ", path, " kernels");
-  return path;
-}
-
-std::string isa_path() {
-  using namespace musespark_isa;
-  return amx() ? (amx_emulated() ? "amx_emulated" : "amx_bf16") : avx512_bf16() ? "avx512_bf16" : "avx2";
-}
-
-// Batch invariance on or off (cpu_isa.h); returns the previous setting.
-bool set_batch_invariant(bool on) {
-  const bool before = musespark_isa::batch_invariant();
-  musespark_isa::set_batch_invariant(on);
-  return before;
-}
 
 // x @ w^T from fp32 accumulators: [M, N] fp32, whatever x's dtype (bf16 x is widened first).
 at::Tensor products_fp32(const char* op, const at::Tensor& x, const at::Tensor& w,
@@ -150,9 +79,6 @@ at::Tensor softcapped_logits(const at::Tensor& x, const at::Tensor& w, double mu
 TORCH_LIBRARY(musespark_cpu, m) {
   m.def("linear_small_m(Tensor x, Tensor w, Tensor? prompt_rows=None, Tensor? panels=None) -> Tensor");
   m.def("softcapped_logits(Tensor x, Tensor w, float multiplier, float cap, Tensor? panels=None) -> Tensor");
-  m.def("set_isa(str path) -> str", &set_isa);  // no tensor arguments: catch-all kernels
-  m.def("isa_path() -> str", &isa_path);
-  m.def("set_batch_invariant(bool on) -> bool", &set_batch_invariant);
 }
 
 TORCH_LIBRARY_IMPL(musespark_cpu, CPU, m) {

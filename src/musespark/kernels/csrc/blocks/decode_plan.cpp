@@ -5,18 +5,18 @@
 // backends/cpu_decode.py) holds each layer's arguments for attn_in, paged_decode_step,
 // attn_out and ffn_dense or ffn_moe: the tuples the step-by-step path passes to those ops
 // (backends/cpu_backend.py), and the embedding and final norm's. `run` calls the functions
-// behind the ops (cpu_ops.h) in the same order with the same arguments, so its output is bit
+// behind the ops (common/ops.h) in the same order with the same arguments, so its output is bit
 // for bit the step-by-step one.
 //
 // Why: at batch 1 the weights of a step stream in ~7 ms on bench-small, and the ~50 op calls
 // around them cost ~2 ms more in Python: argument conversion and dispatch (5-10 µs per call)
 // and the model's and the backend's glue, all slow with the caches cold from the weights,
-// while the other threads wait (benchmarks/RESULTS.md, session 14). Here that is one call.
+// while the other threads wait (benchmarks/RESULTS.md, at e4f6249). Here that is one call.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "cpu_ops.h"
+#include "../common/ops.h"
 
 #include <optional>
 #include <vector>
@@ -26,8 +26,8 @@ namespace {
 using at::Tensor;
 using Tensors = std::vector<Tensor>;
 
-// One decoder layer's arguments, in each op's schema order (cpu_attn_block.cpp,
-// cpu_attention.cpp, cpu_ffn_block.cpp). `rope` and `group` index `run`'s per-step lists.
+// One decoder layer's arguments, in each op's schema order (blocks/attn_block.cpp,
+// attention/decode_attention.cpp, blocks/ffn_block.cpp). `rope` and `group` index `run`'s per-step lists.
 struct Layer {
   bool has_in = false, has_attention = false, has_out = false, has_ffn = false;
   // attn_in; rope: the index of this layer's (cos, sin) in run's lists, -1 for none (NoPE)

@@ -1,13 +1,26 @@
-// AVX-512 helpers shared by the files compiled for AVX-512 (cpu_avx512.cpp,
-// cpu_amx_attention.cpp): included after their `#pragma GCC target`, never by the AVX2 world
-// (cpu_isa.h); internal linkage.
+// AVX-512 helpers shared by the files compiled for AVX-512 (the *_avx512.cpp and *_amx.cpp
+// files): included after their `#pragma GCC target`, never by the AVX2 world (common/isa.h);
+// internal linkage, so every file inlines its own copy.
 #pragma once
 // Needs, included before the pragma: <cstdint> <immintrin.h>.
 
 namespace musespark_simd512 {
 namespace {
 
-// exp(x) for x <= 0, 16 lanes (the Cephes polynomial of cpu_simd.h's exp8; x < -87 gives ~1e-38).
+// 32 bf16 values (bits) as one vdpbf16ps operand; the masked form zeroes the lanes past `m`.
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_bh(const uint16_t* p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+// The fixed lane sum of every accumulator (the same code for every tile shape).
+inline float sum16(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
+
+// exp(x) for x <= 0, 16 lanes (the Cephes polynomial of common/simd.h's exp8; x < -87 gives ~1e-38).
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

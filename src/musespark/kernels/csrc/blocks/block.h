@@ -1,4 +1,4 @@
-// Shared pieces of the fused decoder blocks (cpu_attn_block.cpp, cpu_ffn_block.cpp) for
+// Shared pieces of the fused decoder blocks (blocks/attn_block.cpp, blocks/ffn_block.cpp) for
 // bf16 models on x86 CPUs (AVX2+FMA). One layer is four calls around the attention:
 //   attn_in   input norm, Q/K/V/gate projections, QK-norm and rotary;
 //   attn_out  O-norm and sigmoid gate, O projection, post-norm and gated residual;
@@ -17,14 +17,14 @@
 // fp32 [T, H]; every norm computes in fp32; each value the bf16 model stores (a norm's
 // output, each linear's output, silu, the SwiGLU product, the attention output) is rounded
 // to bf16 where PyTorch would round it. Every row is computed by itself in a fixed order
-// (cpu_gemv.h, cpu_rows.h), so a token's result never depends on its batch.
+// (gemm/jobs.h, norm/rows.h), so a token's result never depends on its batch.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "cpu_gemv.h"
-#include "cpu_pool.h"
-#include "cpu_rows.h"
+#include "../common/simd.h"
+#include "../gemm/jobs.h"
+#include "../norm/rows.h"
 
 #include <vector>
 
@@ -43,8 +43,8 @@ constexpr int64_t kRowGrain = 16;  // rows per task in row loops (T = 1 runs inl
 
 // A weight argument of the fused blocks (schema `Tensor[]`): [w], a contiguous bf16 or fp32
 // matrix [N, K] (experts: [E, N, K]); [w, panels], a bf16 weight with its panels packed once
-// (cpu_gemv.h panels_arg; experts: each expert's panels in turn); or an NVFP4 weight
-// (weight-only; cpu_nvfp4.cpp): [codes uint8 [(E,) N, K/2], block scales float8_e4m3fn or
+// (gemm/jobs.h panels_arg; experts: each expert's panels in turn); or an NVFP4 weight
+// (weight-only; nvfp4/nvfp4_linear.cpp): [codes uint8 [(E,) N, K/2], block scales float8_e4m3fn or
 // uint8 [(E,) N, K/16], global scales fp32 with (E x) G elements, G dividing N]. Views into
 // the tensors: they must outlive the call.
 struct Weight {
@@ -59,7 +59,7 @@ struct Weight {
 
   bool nvfp4() const { return scales != nullptr; }
   // y[M, N] (row stride ldy) = x[M, K] @ W[e]^T; bf16: x holds bf16 values (a bf16 model).
-  // `prompt`: per row of x, nonzero for a prompt row (cpu_gemv.h split_prompt_runs), or null.
+  // `prompt`: per row of x, nonzero for a prompt row (gemm/jobs.h split_prompt_runs), or null.
   Job job(const float* x, int64_t M, float* y, int64_t ldy, bool bf16, int64_t e = 0,
           const uint8_t* prompt = nullptr) const {
     Job j{x, M, K, w + e * w_stride, !nvfp4() && !fp32, N, y, ldy, bf16};
@@ -76,47 +76,7 @@ struct Weight {
 
 // Reads and checks a weight argument; `experts`: a leading expert dimension. The caller
 // checks N and K against the model (check_shape).
-inline Weight weight_arg(at::TensorList parts, bool experts, const char* name) {
-  const int64_t d = experts ? 3 : 2;
-  Weight w;
-  TORCH_CHECK(parts.size() >= 1 && parts.size() <= 3, name,
-              ": expected [bf16 weight], [bf16 weight, panels] or [NVFP4 codes, block scales, global scales], got ",
-              parts.size(), " tensors");
-  const Tensor& a = parts[0];
-  TORCH_CHECK(a.dim() == d && a.is_contiguous(), name, " must be a contiguous ", d, "-D tensor, got ", a.sizes());
-  w.E = experts ? a.size(0) : 1;
-  w.N = a.size(d - 2);
-  w.w = static_cast<const uint8_t*>(a.data_ptr());
-  if (parts.size() <= 2) {
-    TORCH_CHECK(a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kFloat, name,
-                " must be bfloat16 or float32 (or NVFP4), got ", a.scalar_type());
-    w.fp32 = a.scalar_type() == at::kFloat;
-    w.K = a.size(d - 1);
-    w.w_stride = w.N * w.K * static_cast<int64_t>(a.element_size());
-    if (parts.size() == 2) {
-      w.packed = musespark_gemv::panels_arg(parts[1], a, name);
-      w.packed_stride = parts[1].numel() / w.E;
-    }
-    return w;
-  }
-  const Tensor &sc = parts[1], &gl = parts[2];
-  w.K = a.size(d - 1) * 2;
-  TORCH_CHECK(a.scalar_type() == at::kByte, name, ": NVFP4 codes must be uint8, got ", a.scalar_type());
-  TORCH_CHECK(sc.dim() == d && sc.is_contiguous() && sc.element_size() == 1 &&
-                  (sc.scalar_type() == at::kByte || sc.scalar_type() == at::kFloat8_e4m3fn) &&
-                  (!experts || sc.size(0) == w.E) && sc.size(d - 2) == w.N && sc.size(d - 1) * 16 == w.K,
-              name, ": NVFP4 block scales must be contiguous e4m3 [", experts ? "E, " : "", w.N, ", ", w.K / 16,
-              "], got ", sc.sizes());
-  TORCH_CHECK(gl.scalar_type() == at::kFloat && gl.is_contiguous() && gl.numel() >= w.E && gl.numel() % w.E == 0,
-              name, ": NVFP4 global scales must be contiguous float32, a multiple of ", w.E, " elements");
-  w.G = gl.numel() / w.E;
-  TORCH_CHECK(w.N % w.G == 0, name, ": ", w.G, " global scales do not divide ", w.N, " rows");
-  w.scales = static_cast<const uint8_t*>(sc.data_ptr());
-  w.globals = gl.data_ptr<float>();
-  w.w_stride = w.N * w.K / 2;
-  w.s_stride = w.N * w.K / 16;
-  return w;
-}
+Weight weight_arg(at::TensorList parts, bool experts, const char* name);
 
 inline void check_shape(const Weight& w, int64_t N, int64_t K, const char* name) {
   TORCH_CHECK(w.N == N && w.K == K, name, " must be [", N, ", ", K, "] (as bf16 elements), got [", w.N, ", ", w.K,
@@ -157,42 +117,18 @@ void for_rows(int64_t T, int64_t scratch, const F& f) {
 // every user writes what it reads. The buffers keep their largest size.
 enum Slot { kNormed, kProj, kGateUp, kAct, kOut, kPooled, kExpertIn, kExpertOut, kLogits, kMixed, kSlots };
 
-inline float* scratch(Slot slot, int64_t n) {
-  static thread_local std::vector<float> buffers[kSlots];
-  std::vector<float>& b = buffers[slot];
-  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
-  return b.data();
-}
+float* scratch(Slot slot, int64_t n);
 
 // h[t] = bf16(rms(s[t]) * gain) (fp32 models: unrounded), kept as floats for the products:
 // [T, H] in scratch slot kNormed.
-inline float* pre_norm(const float* s, int64_t T, int64_t H, const float* gain, float eps, bool bf16) {
-  float* h = scratch(kNormed, T * H);
-  for_rows(T, H, [&](int64_t t, float* tmp) {
-    rms_row(s + t * H, H, gain, eps, false, 1.f, tmp, h + t * H, !bf16);
-    round_row(h + t * H, H, bf16);
-  });
-  return h;
-}
+float* pre_norm(const float* s, int64_t T, int64_t H, const float* gain, float eps, bool bf16);
 
 // The stream update shared by both halves of a layer, into a new stream:
 // s' = alpha * s + beta * norm(b), norm weightless (gain null) or input-scaled by gain.
 // b [T, H] is the block's fp32 output, rounded here (in place, row by row while it is in
 // cache) to the model's values.
-inline Tensor residual(const Tensor& s, float* b, const float* gain, float eps, const Tensor& alpha,
-                       const Tensor& beta, bool bf16) {
-  const int64_t T = s.size(0), H = s.size(1);
-  Tensor out = musespark_pool::empty(s.sizes(), s.options());
-  const float* sp = s.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float *ap = alpha.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  for_rows(T, 2 * H, [&](int64_t t, float* tmp) {
-    round_row(b + t * H, H, bf16);
-    rms_row(b + t * H, H, gain, eps, gain != nullptr, 1.f, tmp, tmp + H, !bf16);
-    gated_residual_row(sp + t * H, tmp + H, ap, bp, H, op + t * H);
-  });
-  return out;
-}
+Tensor residual(const Tensor& s, float* b, const float* gain, float eps, const Tensor& alpha, const Tensor& beta,
+                bool bf16);
 
 inline void check_residual(const Tensor& s, const Tensor& alpha, const Tensor& beta) {
   check_vector(alpha, s.size(1), "alpha");

@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "cpu_simd.h"
+#include "../common/simd.h"
 
 namespace musespark_rows {
 
@@ -18,7 +18,7 @@ inline float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 // first accumulator, the lanes added in musespark_simd::hsum's fixed tree, then the last
 // H % 8 values in turn. Why lanes: a sequential sum is one dependent add per value (about 4
 // cycles each: 1.3 us per row of 1024), which made the norms of a 2048-token prompt ~20 % of
-// its time (benchmarks/RESULTS.md, session 25); the lanes' partial sums are also closer to
+// its time (benchmarks/RESULTS.md, at 8f7bae9); the lanes' partial sums are also closer to
 // the exact sum than a sequential one.
 inline float sum_squares(const float* v, int64_t H) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();

@@ -1,4 +1,4 @@
-// `rms_norm`: the RMSNorm family (cpu_rows.h) as one torch op, one pass per row, for the
+// `rms_norm`: the RMSNorm family (norm/rows.h) as one torch op, one pass per row, for the
 // norms outside the fused blocks (the embedding norm, the final norm).
 //
 // x [R, H] (bf16 or fp32); gain [H] fp32 (gain_center + weight) or empty; -> [R, H] in
@@ -9,13 +9,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu_ops.h"
-#include "cpu_pool.h"
-#include "cpu_rows.h"
+#include "../common/ops.h"
+#include "../common/pool.h"
+#include "rows.h"
 
 #include <vector>
 
-namespace musespark_ops {  // entry point: cpu_ops.h
+namespace musespark_ops {  // entry point: common/ops.h
 
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, double eps, bool input_scaled,
                     double scale, at::ScalarType out_dtype) {
@@ -34,7 +34,7 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& gain, 
   const int64_t R = xc.size(0), H = xc.size(1);
   auto y = musespark_pool::empty({R, H}, xc.options().dtype(out_dtype));
   const float* gp = has_gain ? g.data_ptr<float>() : nullptr;
-  // fp32 in and out (an fp32 model's final norm): the sum of squares in double (cpu_rows.h).
+  // fp32 in and out (an fp32 model's final norm): the sum of squares in double (norm/rows.h).
   const bool wide = xc.scalar_type() == at::kFloat && out_dtype == at::kFloat;
   auto go = [&](const auto* in, auto* out) {
     at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {

@@ -1,14 +1,16 @@
-// AMX-BF16 tile primitives shared by the tile kernels (cpu_amx.cpp: the panel product;
-// cpu_amx_attention.cpp: prompt attention). Included only by files compiled for AVX-512
-// (their `#pragma GCC target`), after the pragma; the headers it needs (below) come before
-// the pragma, so none of them is compiled for AVX-512. Everything here has internal linkage.
+// AMX-BF16 tile primitives shared by the tile kernels (gemm/bf16_panels_amx.cpp: the panel
+// product; attention/prefill_amx.cpp: prompt attention; common/amx_state.cpp: the tile state).
+// Included only by files compiled for AVX-512 (their `#pragma GCC target`), after the pragma;
+// the headers it needs (below) come before the pragma, so none of them is compiled for
+// AVX-512. Everything here has internal linkage.
 //
 // `Hardware` issues the tile instructions; `Emulated` models them in software (TDPBF16PS as
 // the Intel SDM states it per element), so the tests run every tile schedule on CPUs without
 // AMX (`set_isa("amx_emulated")`): it checks layouts, padding and grouping; only a CPU with
 // AMX checks the hardware's own rounding. Both offer the same static functions.
 #pragma once
-// Needs, included before the pragma: <cmath> <cstdint> <cstdlib> <cstring> <immintrin.h> "cpu_isa.h".
+// Needs, included before the pragma: <cmath> <cstdint> <cstdlib> <cstring> <immintrin.h>
+// "gemm/gemm_kernels.h".
 
 namespace musespark_amx {
 namespace {
@@ -16,7 +18,7 @@ namespace {
 constexpr int64_t kRows = 16;          // rows of every tile
 constexpr int64_t kStepK = 32;         // k per TDPBF16PS (16 pairs)
 constexpr int64_t kPanel = musespark_avx512::kPanelRows;  // 64 weight rows: C0-C3
-// A full group of a panel (cpu_isa.h layout): B tile b at words 256 b, its 16 pairs 64
+// A full group of a panel (gemm/gemm_kernels.h layout): B tile b at words 256 b, its 16 pairs 64
 // bytes apart.
 constexpr int64_t kBlockWords = musespark_avx512::kGroupWords / 4;
 constexpr int64_t kBlockRowBytes = 64;
@@ -89,7 +91,7 @@ struct Hardware {
     MS_TILE_DP(2, 5, 6);
     MS_TILE_DP(3, 5, 7);
   }
-  // Prompt attention (cpu_amx_attention.cpp), tmm0-1 scores, tmm2 the queries or weights,
+  // Prompt attention (attention/prefill_amx.cpp), tmm0-1 scores, tmm2 the queries or weights,
   // tmm4-5 keys or values:
   // s [16, 32] fp32 (rows 128 bytes apart) = q [16, D] (rows q_stride bytes apart) against
   // two blocks of 16 packed keys (kb and kb + pairs * 32: per dimension pair, 16 keys' pairs),
@@ -248,7 +250,6 @@ T* scratch(int slot, int64_t count) {
   }
   return static_cast<T*>(b.p);
 }
-
 
 }  // namespace
 }  // namespace musespark_amx

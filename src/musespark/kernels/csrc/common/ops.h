@@ -1,6 +1,7 @@
-// The decoder-step entry points the decode plan (cpu_decode_plan.cpp) calls directly, without
+// The decoder-step entry points the decode plan (blocks/decode_plan.cpp) calls directly, without
 // the dispatcher: the same functions the ops of the same names run (their formulas and checks
-// are at their definitions: cpu_attn_block.cpp, cpu_ffn_block.cpp, cpu_norm.cpp, cpu_attention.cpp).
+// are at their definitions: blocks/attn_block.cpp, blocks/ffn_block.cpp, norm/rms_norm.cpp,
+// attention/decode_attention.cpp).
 #pragma once
 #include <ATen/ATen.h>
 

@@ -1,4 +1,5 @@
-// AMX-BF16 tiles for the panel product (cpu_isa.h declares the entry points; cpu_gemv.h
+// AMX-BF16 tiles for the panel product (gemm/gemm_kernels.h declares the entry points;
+// gemm/jobs.cpp
 // bf16_rows says which rows take them): y[m, n] = sum_k x[m, k] w[n, k] on the same packed
 // panels the AVX-512 panel kernel reads, by TDPBF16PS instead of vdpbf16ps.
 //
@@ -13,9 +14,9 @@
 // * 1 x 4 (`step`, a single or partial block): C_b the block against panel columns
 //   16b..16b+15, A the block's next 32 k, B the panel's next 16 k pairs of 16 columns.
 // A is 16 rows of 32 bf16; B is 16 rows of 16 pair words: one block of a group of the panel
-// layout (cpu_isa.h), 1 KiB of consecutive memory. Why 2 x 2 where it can: a tile load costs
+// layout (gemm/gemm_kernels.h), 1 KiB of consecutive memory. Why 2 x 2 where it can: a tile load costs
 // about three TDPBF16PS on the Xeon measured (15.5 vs 5 ns), and 2 x 2 loads 4 tiles per 4
-// products where 1 x 4 loads 5 (benchmarks/RESULTS.md, session 23).
+// products where 1 x 4 loads 5 (benchmarks/RESULTS.md, at f0fbb0f).
 //
 // Invariant (batch invariance): each output element starts from +0 and takes the k pairs in
 // one fixed grouping, 16 pairs (32 k) per TDPBF16PS from k = 0, the last group zero-padded;
@@ -23,22 +24,20 @@
 // on M, on which rows share a tile (a tile's rows never mix), on the arrangement (2 x 2 or
 // 1 x 4), on n0/n1 or on the thread, so a row gets the same bits in any batch. The bits
 // differ from the vdpbf16ps panel kernel's, so a CPU runs one or the other for every row
-// (cpu_isa.h level()).
+// (common/dispatch.h).
 //
-// The tile instructions, and their software model for the tests: cpu_amx_tiles.h.
+// The tile instructions, and their software model for the tests: common/amx_tiles.h.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include "cpu_isa.h"
+#include "gemm_kernels.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,prfchw")
 
-#include "cpu_amx_tiles.h"
+#include "../common/amx_tiles.h"
 
 namespace musespark_amx {
 namespace {
@@ -47,8 +46,8 @@ namespace {
 // At each group they fetch the 64 lines that start half a group past it (so every line once,
 // 2-6 KiB ahead of the tile loads): the hardware prefetcher alone does not run far enough
 // ahead. On the Xeon measured (in one process, alternated run by run; benchmarks/RESULTS.md,
-// session 24) half a group ahead made batch-1 and 8-request decode 1.05x and 1.06x faster
-// than two groups ahead (session 23's distance), and a 256 MiB weight streamed at 28.6 GB/s
+// at a5c9dba) half a group ahead made batch-1 and 8-request decode 1.05x and 1.06x faster
+// than two groups ahead (the distance at f0fbb0f), and a 256 MiB weight streamed at 28.6 GB/s
 // against 26.1 (a 29.1 GB/s `sum` probe). Past the last group it touches the next panel or
 // past the weight (an address, not a pointer into the weight: prefetches never fault).
 constexpr int64_t kGroupWords = musespark_avx512::kGroupWords;
@@ -109,7 +108,7 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
     // wait for the lines), and the first superblock's pass over a packed panel fetches the next
     // panel, kNextLines lines per group. In a C++ probe with everything evicted first (one core,
     // an expert's 256 rows x 1024 x 512): 534-615 -> 765-825 GFLOP/s; warm, and at 2048 rows x
-    // 2560 x 1024, the same within the noise (benchmarks/RESULTS.md, session 25).
+    // 2560 x 1024, the same within the noise (benchmarks/RESULTS.md, at 42ddd67).
     const char* next = packed && p0 == 0 && n + kPanel < n1 ? reinterpret_cast<const char*>(panel + K / 2 * kPanel)
                                                             : nullptr;
     const char* next_end = next != nullptr ? next + K / 2 * kPanel * 4 : nullptr;
@@ -186,7 +185,7 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
   // Rows in superblocks of kSuperRows (2 x 2 pairs), each against every panel of the call
   // before the next (packed panels only: panels packed now are packed once per panel): the
   // superblock's rows (256 x K bf16) stay in L2 across the panels, where all M rows would
-  // not (run_jobs takes several panels at a time for such rows: cpu_gemv.h steal_chunk). The
+  // not (run_jobs takes several panels at a time for such rows: gemm/jobs.cpp steal_chunk). The
   // order of the passes changes no sum.
   const int64_t super_pairs = kSuperRows / (2 * kRows);
   const int64_t passes_over = pairs > 0 ? pairs : 1;  // decode rows: one pass, no pairs
@@ -199,34 +198,18 @@ void panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t 
   if (tail_rows) std::memset(apart, 0, tail_rows * Kpad * sizeof(uint16_t));
 }
 
-thread_local int tile_depth = 0;  // open tiles_begin scopes of this thread
-
 }  // namespace
-
-void tiles_begin() {
-  if (tile_depth++ == 0 && !musespark_isa::amx_emulated()) Hardware::configure();
-}
-
-void tiles_end() {
-  if (--tile_depth == 0 && !musespark_isa::amx_emulated()) Hardware::release();
-}
-
-bool request_permission() {
-  // Linux (5.16+) hands out the tile data state per process on request
-  // (ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18); without it a tile instruction
-  // faults. Asked once; the answer is kept.
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
 
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed) {
   tiles_begin();  // free inside the caller's scope
-  if (musespark_isa::amx_emulated())
-    panels<Emulated>(x, M, K, w, n0, n1, y, ldy, pk, packed);
-  else
-    panels<Hardware>(x, M, K, w, n0, n1, y, ldy, pk, packed);
+  panels<Hardware>(x, M, K, w, n0, n1, y, ldy, pk, packed);
   tiles_end();
+}
+
+void bf16_panels_emulated(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
+                          float* y, int64_t ldy, uint32_t* pk, const uint32_t* packed) {
+  panels<Emulated>(x, M, K, w, n0, n1, y, ldy, pk, packed);
 }
 
 }  // namespace musespark_amx

@@ -1,6 +1,6 @@
 // `prefill_attention(q, k, v, q_start, k_start, window, scale)`: the rows of one prefill
-// chunk attending over their keys, on CPUs with AVX-512-BF16 (cpu_isa.h; elsewhere the
-// caller keeps SDPA).
+// chunk attending over their keys, on paths with a prompt attention kernel (common/dispatch.h:
+// avx512_bf16, and amx with tiles for head dims that fit them; elsewhere the caller keeps SDPA).
 //
 // q [n, nH, D] bf16: query t sits at position q_start + t; k, v [m, nKV, D] bf16: key i at
 // position k_start + i (the sequence's reachable keys, gathered in order). Query t sees the
@@ -18,8 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu_isa.h"
-#include "cpu_pool.h"
+#include "../common/dispatch.h"
+#include "../common/pool.h"
 
 #include <cstring>
 #include <vector>
@@ -49,7 +49,8 @@ void pack(const uint16_t* k, const uint16_t* v, int64_t m, int64_t nKV, int64_t 
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                              int64_t k_start, int64_t window, double scale) {
-  TORCH_CHECK(musespark_isa::avx512_bf16(), "prefill_attention: needs the avx512_bf16 kernel path");
+  const musespark_dispatch::Kernels& kernels = musespark_dispatch::kernels();
+  TORCH_CHECK(kernels.prefill_rows != nullptr, "prefill_attention: needs the avx512_bf16 kernel path");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.scalar_type() == at::kBFloat16 &&
                   k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "prefill_attention: q [n, nH, D], k and v [m, nKV, D] must be bfloat16");
@@ -72,17 +73,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   });
   constexpr int64_t kTokens = 32;  // tokens of one head per task
   const int64_t tasks_per_head = (n + kTokens - 1) / kTokens;
-  const bool tiles = musespark_isa::amx() && musespark_amx::prefill_attention_fits(D);
-  const auto rows = tiles ? musespark_amx::prefill_attention_rows : musespark_avx512::prefill_attention_rows;
+  const bool tiles = kernels.prefill_rows_tiles != nullptr && kernels.prefill_tiles_fit(D);
+  const musespark_dispatch::PrefillRows rows = tiles ? kernels.prefill_rows_tiles : kernels.prefill_rows;
+  const bool scope = tiles && kernels.tiles_begin != nullptr;  // the tile configuration once per thread
   at::parallel_for(0, nH * tasks_per_head, 1, [&](int64_t w0, int64_t w1) {
-    if (tiles) musespark_amx::tiles_begin();  // the tile configuration once per thread
+    if (scope) kernels.tiles_begin();
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t head = w / tasks_per_head, t0 = (w % tasks_per_head) * kTokens;
       const int64_t t1 = std::min(n, t0 + kTokens), h = head / G;
       rows(qp, nH, D, head, kp.data() + h * per_head, vp.data() + h * per_head, m, q_start, k_start, window,
            static_cast<float>(scale), t0, t1, op);
     }
-    if (tiles) musespark_amx::tiles_end();
+    if (scope) kernels.tiles_end();
   });
   return out;
 }

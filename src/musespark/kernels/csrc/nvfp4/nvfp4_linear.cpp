@@ -1,5 +1,5 @@
 // `nvfp4_linear(x, codes, block_scales, global_scale)`: y[M, N] = x[M, K] @ W[N, K]^T with W
-// an NVFP4 weight (/work/shared/NVFP4.md §2) decoded on the fly, weight-only: the activations
+// an NVFP4 weight (NVFP4.md §2) decoded on the fly, weight-only: the activations
 // stay unquantized. AVX2 + FMA, for decode-sized M (any M works; the backend uses it for M <= 16).
 //
 // Inputs: x fp32 or bf16 [M, K] (K % 16 == 0); codes uint8 [N, K/2] (element 2j in the low
@@ -27,7 +27,7 @@
 // table indexed by the scale byte) and the sign bit is xored in. The activations are permuted once per call into the
 // same even/odd order, so no shuffle of the weights is needed.
 //
-// AVX-512-BF16 CPUs (cpu_isa.h) run `musespark_avx512::nvfp4_rows`: two blocks per step,
+// Paths with AVX-512 (common/dispatch.h) run `musespark_avx512::nvfp4_rows`: two blocks per step,
 // `vpermi2ps` over two 16-entry signed tables (|E2M1| * t and its negation, the same
 // values), x in that path's order (per 32 elements: even of block a, even of block b, odd
 // of a, odd of b; a final odd block: its 8 even then 8 odd). Same products, same weight
@@ -35,7 +35,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu_gemv.h"
+#include "../gemm/jobs.h"
 
 #include <vector>
 

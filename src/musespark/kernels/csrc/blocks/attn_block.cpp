@@ -1,16 +1,19 @@
-// Fused attention-side blocks `attn_in` and `attn_out` (see cpu_block.h).
+// Fused attention-side blocks `attn_in` and `attn_out` (see blocks/block.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu_block.h"
-#include "cpu_ops.h"
+#include "../common/ops.h"
+#include "../common/pool.h"
+#include "../common/simd.h"
+#include "../gemm/jobs.h"
+#include "block.h"
 
 #include <cmath>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
-namespace musespark_ops {  // entry points: cpu_ops.h
+namespace musespark_ops {  // entry points: common/ops.h
 
 using namespace musespark_block;
 

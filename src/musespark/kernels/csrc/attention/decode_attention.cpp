@@ -1,5 +1,6 @@
-// Paged decode attention on x86 CPUs with AVX2+FMA: one query per sequence, keys and
-// values read in place from the block-paged cache (no gather, no mask tensor).
+// Paged decode attention: one query per sequence, keys and values read in place from the
+// block-paged cache (no gather, no mask tensor). The ops and the split of the work; the
+// kernels are attention/decode_avx2.cpp and the dispatch table's decode_attention.
 //
 // q [B, nH, D] fp32; k_cache, v_cache [num_blocks, block_size, nKV, D] (bf16 or fp32);
 // block_tables [B, max_blocks] int64; seq_lens [B] int64. Sequence b's query sits at
@@ -10,124 +11,33 @@
 // of one layer in one call: it first writes the step's keys and values into the cache, takes
 // q in the cache's dtype (bf16 or fp32) and returns that dtype.
 //
-// ISA dispatch (cpu_isa.h): on AVX-512-BF16 CPUs a bf16 cache whose queries hold bf16 values
-// (a bf16 model's) takes musespark_avx512::decode_attention (D % 32 == 0): Q K^T by
+// Dispatch (common/dispatch.h): on paths with a decode_attention kernel (avx512_bf16, amx), a
+// bf16 cache whose queries hold bf16 values (a bf16 model's) takes it where decode_fits
+// (musespark_avx512::decode_attention, D % 32 == 0): Q K^T by
 // vdpbf16ps (each product exact, fp32 sums in another fixed order), a 16-lane softmax, and
 // P V by fp32 FMAs in key order, normalized at the end. Each row's result still depends on
 // nothing else in the batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
-
-#include "cpu_isa.h"
-#include "cpu_ops.h"
-#include "cpu_simd.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "../common/dispatch.h"
+#include "../common/ops.h"
+#include "../common/simd.h"
+#include "decode_avx2.h"
+
 namespace {
 
-using musespark_simd::load8;
+using musespark_attention::attend_head;
 
-constexpr int64_t kAheadKeys = 8;
 // A work unit's cost beyond its keys (setup, softmax, output), counted as this many keys.
 constexpr int64_t kUnitFixedKeys = 16;
-
-// The horizontal sums of 8 vectors, as one vector: lane j = sum of a[j]'s lanes.
-inline __m256 hsum8(const __m256 a[8]) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// exp(x) for x <= 0, 8 lanes (cpu_simd.h's exp8); x below -87 is clamped (exp ~ 1e-38,
-// nothing next to the softmax's maximum term, which is 1).
-inline __m256 exp_nonpositive(__m256 x) { return musespark_simd::exp8(x, -87.f); }
-
-// s[0:L] <- softmax(s), fp32; the normalizer sums in key order.
-inline void softmax(float* s, int64_t L) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-  const __m256 mv = _mm256_set1_ps(m);
-  int64_t i = 0;
-  for (; i + 8 <= L; i += 8) _mm256_storeu_ps(s + i, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv)));
-  if (i < L) {  // the tail through the same 8-lane code
-    float tail[8];
-    for (int64_t j = 0; j < 8; ++j) tail[j] = i + j < L ? s[i + j] - m : -87.f;
-    _mm256_storeu_ps(tail, exp_nonpositive(_mm256_loadu_ps(tail)));
-    for (int64_t j = 0; i + j < L; ++j) s[i + j] = tail[j];
-  }
-  float total = 0.f;
-  for (int64_t j = 0; j < L; ++j) total += s[j];
-  const float inv = 1.f / total;
-  for (int64_t j = 0; j < L; ++j) s[j] *= inv;
-}
-
-// One KV head, its G query heads, over the keys at `slots` (L of them). Each key row is
-// widened once and dotted with every query head, 8 keys at a time; then each head's output
-// accumulates the value rows in key order with its vectors in registers (value rows are in
-// L1/L2 by then). scores: [G, L] scratch.
-template <typename T>
-void attend_head(const float* q, int64_t G, int64_t D, const T* k_cache, const T* v_cache, int64_t slot_stride,
-                 const int64_t* slots, int64_t L, float scale, float* scores, float* out) {
-  // Cache rows are scattered (one per slot, nKV * D apart): prefetch keys a few rows ahead,
-  // and each value row while its key is used, for the second pass.
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  auto prefetch = [&](const T* p, int hint) {
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + b, static_cast<_mm_hint>(hint));
-  };
-  // Scores, 8 keys at a time: widen them into `rows` (zeros past the last key), then per
-  // head one accumulator per key, reduced together (`hsum8`).
-  std::vector<float> rows(static_cast<size_t>(8 * D));
-  for (int64_t i0 = 0; i0 < L; i0 += 8) {
-    const int64_t n = std::min<int64_t>(8, L - i0);
-    for (int64_t j = 0; j < 8; ++j) {
-      const int64_t i = i0 + j;
-      if (i + kAheadKeys < L) prefetch(k_cache + slots[i + kAheadKeys] * slot_stride, _MM_HINT_T0);
-      if (j < n) prefetch(v_cache + slots[i] * slot_stride, _MM_HINT_T1);
-      const T* key = j < n ? k_cache + slots[i] * slot_stride : nullptr;
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(rows.data() + j * D + d, key ? load8(key + d) : _mm256_setzero_ps());
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + g * D + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows.data() + j * D + d), acc[j]);
-      }
-      float got[8];
-      _mm256_storeu_ps(got, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
-      std::copy_n(got, n, scores + g * L + i0);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) softmax(scores + g * L, L);
-  // out[g] = sum_i p[g, i] * v_i, keys in order, NV vectors of one head's output in registers.
-  auto values = [&](auto nv, int64_t g, int64_t d0) {
-    constexpr int NV = decltype(nv)::value;
-    __m256 acc[NV];
-    for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-    const float* p = scores + g * L;
-    for (int64_t i = 0; i < L; ++i) {
-      const T* value = v_cache + slots[i] * slot_stride + d0;
-      const __m256 w = _mm256_set1_ps(p[i]);
-      for (int j = 0; j < NV; ++j) acc[j] = _mm256_fmadd_ps(w, load8(value + 8 * j), acc[j]);
-    }
-    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + g * D + d0 + 8 * j, acc[j]);
-  };
-  for (int64_t g = 0; g < G; ++g) {
-    int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) values(std::integral_constant<int, 8>{}, g, d0);
-    for (; d0 < D; d0 += 8) values(std::integral_constant<int, 1>{}, g, d0);
-  }
-}
 
 // Sequence b's query row (nH * D values) as bf16 bits when the AVX-512 kernel takes it:
 // a bf16 cache and every value of the row a bf16 value (a bf16 model's). Decided per
@@ -158,9 +68,9 @@ void attend(const float* q, const uint16_t* qb, int64_t nh, int64_t G, int64_t D
     for (; p < end; ++p, ++i) slots[i] = base + p;
   }
   if (qb != nullptr) {
-    musespark_avx512::decode_attention(qb, nh, G, D, reinterpret_cast<const uint16_t*>(k_cache),
-                                       reinterpret_cast<const uint16_t*>(v_cache), slot_stride, slots.data(), L,
-                                       scale, scores.data(), out);
+    musespark_dispatch::kernels().decode_attention(qb, nh, G, D, reinterpret_cast<const uint16_t*>(k_cache),
+                                                   reinterpret_cast<const uint16_t*>(v_cache), slot_stride,
+                                                   slots.data(), L, scale, scores.data(), out);
     return;
   }
   for (int64_t h = 0; h < nh; ++h)
@@ -216,8 +126,9 @@ at::Tensor decode_core(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const float s = static_cast<float>(scale);
   auto run = [&](auto* kc, auto* vc) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-    const bool avx512 = std::is_same_v<T, at::BFloat16> && musespark_isa::avx512_bf16() &&
-                        musespark_avx512::decode_attention_fits(D, nH);
+    const musespark_dispatch::Kernels& kernels = musespark_dispatch::kernels();
+    const bool avx512 = std::is_same_v<T, at::BFloat16> && kernels.decode_attention != nullptr &&
+                        kernels.decode_fits(D, nH);
     // Work units: whole sequences (their KV heads' rows are adjacent in the cache: one
     // stream) when there are enough of them for the threads, else (sequence, KV head) pairs.
     // Each thread takes a run of units of near-equal cost (keys read + kUnitFixedKeys), so
@@ -281,7 +192,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 }  // namespace
 
-namespace musespark_ops {  // entry point: cpu_ops.h
+namespace musespark_ops {  // entry point: common/ops.h
 
 // One decode step of a layer in one call: the new keys and values k, v [B, nKV, D] (the
 // cache's dtype) are written at slot_mapping [B] (flat slot = block * block_size + offset),

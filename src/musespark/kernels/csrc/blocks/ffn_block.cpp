@@ -1,9 +1,13 @@
-// Fused feed-forward blocks `ffn_dense` and `ffn_moe` (see cpu_block.h).
+// Fused feed-forward blocks `ffn_dense` and `ffn_moe` (see blocks/block.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu_block.h"
-#include "cpu_ops.h"
+#include "../common/dispatch.h"
+#include "../common/isa.h"
+#include "../common/ops.h"
+#include "../common/pool.h"
+#include "../gemm/jobs.h"
+#include "block.h"
 
 #include <algorithm>
 #include <atomic>
@@ -18,7 +22,7 @@ constexpr float kRouterEps = 1e-15f;  // added to the sum of the chosen scores
 
 // act = bf16(bf16(silu(gate)) * up) over n rows of [gate | up] (2I wide: the products' fp32
 // outputs, taken as the model's values, bf16(gate) and bf16(up); an fp32 model rounds nothing).
-// silu(g) = g / (1 + exp(-g)) with the fused blocks' exp (cpu_simd.h); I % 8 == 0.
+// silu(g) = g / (1 + exp(-g)) with the fused blocks' exp (common/simd.h); I % 8 == 0.
 void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
   using namespace musespark_simd;
   auto r16 = [bf16](__m256 v) { return bf16 ? round_bf16_8(v) : v; };
@@ -41,7 +45,7 @@ void swiglu(const float* gu, int64_t n, int64_t I, float* act, bool bf16) {
 
 }  // namespace
 
-namespace musespark_ops {  // entry point: cpu_ops.h
+namespace musespark_ops {  // entry point: common/ops.h
 
 using namespace musespark_block;
 
@@ -120,7 +124,7 @@ std::vector<ExpertTask> whole_expert_tasks(const std::vector<int64_t>& start, co
                                            const Weight& down, bool bf16) {
   const int64_t threads = at::get_num_threads(), E = static_cast<int64_t>(start.size()) - 1;
   if (threads < 2 || !bf16 || gate_up.nvfp4() || down.nvfp4() || gate_up.fp32 || down.fp32 ||
-      !musespark_isa::avx512_bf16() || !musespark_isa::batch_invariant())
+      !musespark_dispatch::bf16_products() || !musespark_isa::batch_invariant())
     return {};
   std::vector<ExpertTask> tasks;
   for (int64_t x = 0; x < E; ++x) {
@@ -146,7 +150,7 @@ std::vector<ExpertTask> whole_expert_tasks(const std::vector<int64_t>& start, co
 
 }  // namespace
 
-namespace musespark_ops {  // entry point: cpu_ops.h
+namespace musespark_ops {  // entry point: common/ops.h
 
 using namespace musespark_block;
 

@@ -1,0 +1,153 @@
+// NVFP4 weight rows on AVX-512: musespark_avx512::nvfp4_rows (nvfp4/nvfp4.h; nvfp4/nvfp4_linear.cpp
+// states the numerics).
+// Compiled for AVX-512F/BW/VL/DQ + BF16 by the pragma below and reached only through the
+// dispatch table (common/dispatch.h) on paths whose CPU runs it. No ATen or standard-library
+// header after the pragma (common/isa.h: no inline function compiled for AVX-512 may leak into
+// the AVX2 world).
+#include <cstdint>
+#include <immintrin.h>
+
+#include "nvfp4.h"
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+
+#include "../common/simd512.h"
+
+namespace musespark_avx512 {
+
+using musespark_simd512::sum16;
+
+namespace {
+
+// Two blocks (32 weights, 16 code bytes): lanes 0-7 block a, 8-15 block b. The low nibble
+// of byte j is element 2j, the high nibble element 2j+1; vpermi2ps reads 5 index bits: bit
+// 4 picks block b's table. w0 = [a even | b even], w1 = [a odd | b odd].
+inline void decode_pair(const uint8_t* codes, const float* table_a, const float* table_b, __m512& w0,
+                        __m512& w1) {
+  const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+  const __m512 ta = _mm512_loadu_ps(table_a), tb = _mm512_loadu_ps(table_b);
+  // (raw & 15) | which, in one ternary-logic op (0xEA = (A & B) | C).
+  const __m512i lo = _mm512_ternarylogic_epi32(raw, _mm512_set1_epi32(15), which, 0xEA);
+  const __m512i hi = _mm512_or_si512(_mm512_srli_epi32(raw, 4), which);
+  w0 = _mm512_permutex2var_ps(ta, lo, tb);
+  w1 = _mm512_permutex2var_ps(ta, hi, tb);
+}
+
+// One block (16 weights, 8 code bytes), the tail of a row whose K is an odd number of
+// blocks: w = [even | odd].
+inline __m512 decode_one(const uint8_t* codes, const float* table) {
+  const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi32(raw, 4), 1);
+  return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table));  // reads index bits 0-3
+}
+
+// y[n + r] for R rows from n with one row of x: per row, two 16-lane accumulators over the
+// pairs of blocks in order (an odd last block into the first), summed at the end.
+constexpr int kRows = 4;
+
+template <int R>
+inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint8_t* scales, const float* const* tables,
+                    int64_t rows_per_global, int64_t n, float* y) {
+  const int64_t nb = K / 16, pairs = nb / 2;
+  // Row r's codes, scale bytes and table; the pointers are few enough to stay in registers
+  // (one table when the R rows share a global scale, as all but boundary rows do).
+  const size_t cs = static_cast<size_t>(K / 2), ss = static_cast<size_t>(nb);
+  const uint8_t* c = codes + n * cs;
+  const uint8_t* s = scales + n * ss;
+  const float* table[R];
+  for (int r = 0; r < R; ++r) table[r] = tables[(n + r) / rows_per_global];
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  auto step = [&](int64_t p) {
+    const __m512 xe = _mm512_loadu_ps(xr + p * 32), xo = _mm512_loadu_ps(xr + p * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* sr = s + r * ss + 2 * p;
+      __m512 w0, w1;
+      decode_pair(c + r * cs + p * 16, table[r] + (static_cast<size_t>(sr[0]) << 4),
+                  table[r] + (static_cast<size_t>(sr[1]) << 4), w0, w1);
+      acc0[r] = _mm512_fmadd_ps(w0, xe, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(w1, xo, acc1[r]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + 4 <= pairs; p += 4) {  // 4 pairs (one 64-byte line of codes per row) per prefetch
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(c + r * cs + p * 16) + 1024, _MM_HINT_T0);
+      if ((p & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + r * ss + 2 * p) + 128, _MM_HINT_T0);
+    }
+    step(p);
+    step(p + 1);
+    step(p + 2);
+    step(p + 3);
+  }
+  for (; p < pairs; ++p) step(p);
+  for (int r = 0; r < R; ++r) {
+    if (nb % 2 != 0)
+      acc0[r] = _mm512_fmadd_ps(decode_one(c + r * cs + pairs * 16, table[r] + s[r * ss + 2 * pairs] * 16),
+                                _mm512_loadu_ps(xr + pairs * 32), acc0[r]);
+    y[n + r] = sum16(_mm512_add_ps(acc0[r], acc1[r]));
+  }
+}
+
+}  // namespace
+
+void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / 16, pairs = nb / 2;
+  const bool tail = nb % 2 != 0;
+  // Decoded weight rows for M > 1 (K floats); fixed-size scratch keeps this file free of
+  // library containers: rows longer than it take the one-row path per x row.
+  alignas(64) static thread_local float scratch[16384];
+  int64_t n = n0;
+  if (M == 1) {  // four rows at a time: eight independent FMA chains (one row's two chains
+    //              alone wait on the FMA latency); each row's sums are the same as below
+    for (; n + kRows <= n1; n += kRows) rows_m1<kRows>(xp, K, codes, scales, tables, rows_per_global, n, y);
+    for (; n < n1; ++n) rows_m1<1>(xp, K, codes, scales, tables, rows_per_global, n, y);
+    return;
+  }
+  for (; n < n1; ++n) {
+    const uint8_t* c = codes + n * (K / 2);
+    const uint8_t* s = scales + n * nb;
+    const float* table = tables[n / rows_per_global];
+    if (K > 16384) {
+      for (int64_t m = 0; m < M; ++m) rows_m1<1>(xp + m * K, K, codes, scales, tables, rows_per_global, n, y + m * ldy);
+      continue;
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512 w0, w1;
+      decode_pair(c + p * 16, table + s[2 * p] * 16, table + s[2 * p + 1] * 16, w0, w1);
+      _mm512_storeu_ps(scratch + p * 32, w0);
+      _mm512_storeu_ps(scratch + p * 32 + 16, w1);
+    }
+    if (tail) _mm512_storeu_ps(scratch + pairs * 32, decode_one(c + pairs * 16, table + s[2 * pairs] * 16));
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      __m512 a0[4], a1[4];
+      for (int r = 0; r < 4; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512 w0 = _mm512_loadu_ps(scratch + p * 32), w1 = _mm512_loadu_ps(scratch + p * 32 + 16);
+        for (int r = 0; r < 4; ++r) {
+          a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + (m + r) * K + p * 32), a0[r]);
+          a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + (m + r) * K + p * 32 + 16), a1[r]);
+        }
+      }
+      if (tail)
+        for (int r = 0; r < 4; ++r)
+          a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + (m + r) * K + pairs * 32),
+                                  a0[r]);
+      for (int r = 0; r < 4; ++r) y[(m + r) * ldy + n] = sum16(_mm512_add_ps(a0[r], a1[r]));
+    }
+    for (; m < M; ++m) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + p * 32), _mm512_loadu_ps(xp + m * K + p * 32), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + p * 32 + 16), _mm512_loadu_ps(xp + m * K + p * 32 + 16), a1);
+      }
+      if (tail) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + m * K + pairs * 32), a0);
+      y[m * ldy + n] = sum16(_mm512_add_ps(a0, a1));
+    }
+  }
+}
+
+}  // namespace musespark_avx512
