@@ -13,7 +13,7 @@ For each small random config of the parity tests (tests/oracle.py), musespark's 
 * `fp64acc`: the torch backend with each dot product accumulated in float64 and rounded
   once (the exact fp32 product: the best any fp32 GEMM could do);
 * `cpu`: the cpu backend's native fp32 blocks on every row (what fp32 decode steps run:
-  kernels/cpu_ffn_block.cpp etc., fp32 weights accumulated in double).
+  kernels/csrc/blocks/ffn_block.cpp etc., fp32 weights accumulated in double).
 
 Reported per draw, as relative logit errors (largest |difference| / largest |reference|):
 each way against `mkl`, and each way plus transformers' fp32 against transformers run in

@@ -6,7 +6,7 @@
 The seeded random `bench-small` checkpoint (bench/presets.py) is written once in bf16, then
 quantized with `quantize_checkpoint(..., scope="linear")` and `scope="experts"` (cached next
 to it). Each model is loaded with backend "cpu" (NVFP4 products: the native kernel
-`nvfp4_linear`, kernels/cpu_nvfp4.cpp), prefilled with a short prompt and timed over
+`nvfp4_linear`, kernels/csrc/nvfp4/nvfp4_linear.cpp), prefilled with a short prompt and timed over
 `--tokens` single-token decode steps through a paged KV cache (the engine's decode shape;
 no sampling, scheduler or HTTP).
 

@@ -7,7 +7,7 @@ lookups, the derived fp32 gains, the weight arguments' checks): ~0.5 ms of a ~9 
 batch-1 token on bench-small. So:
 
 * `WeightArgs` holds each linear's and each expert set's weight argument
-  (kernels/cpu_block.h `weight_arg`), with its packed panels where the kernels read them.
+  (kernels/csrc/blocks/block.h `weight_arg`), with its packed panels where the kernels read them.
 * `StepArgs` holds each (op, layer) argument tuple.
 
 Invariant: a model's weights are frozen once its backend is chosen. Nothing here watches
@@ -30,7 +30,7 @@ from ..quant.nvfp4 import Nvfp4Experts, Nvfp4Linear
 
 
 class WeightArgs:
-    """The fused ops' weight arguments (kernels/cpu_block.h `weight_arg`) of each module.
+    """The fused ops' weight arguments (kernels/csrc/blocks/block.h `weight_arg`) of each module.
 
     On the AVX-512-BF16 path a dense bf16 linear's argument is [weight, panels]: the weight
     packed once more (`cpu.pack_panels`, as many bytes again) for the panel kernel, which

@@ -1,9 +1,9 @@
 """The cpu backend: the native kernels of `kernels/` on x86-64 CPUs (AVX2+FMA; AVX-512-BF16
-where the CPU has it, chosen at load: kernels/cpu_isa.h).
+where the CPU has it, chosen at load: kernels/csrc/common/dispatch.h).
 
 For bf16 and fp32 models whose linears and experts are dense or weight-only NVFP4 and whose
 widths are multiples of 8, each decoder layer is four native calls around the attention
-(`attn_in`, `attn_out`, `ffn_dense`/`ffn_moe`: kernels/cpu_attn_block.cpp, cpu_ffn_block.cpp),
+(`attn_in`, `attn_out`, `ffn_dense`/`ffn_moe`: kernels/csrc/blocks/attn_block.cpp, csrc/blocks/ffn_block.cpp),
 with the same formulas and the same roundings as the torch backend (a bf16 model rounds to
 bf16 where PyTorch would; an fp32 model rounds nothing); the embedding norm, final norm and
 LM head are native too. Every row is computed alone, so a request's tokens never depend on
@@ -20,7 +20,7 @@ Decode rows attend through the native paged decode kernel for bf16 and fp32 cach
 
 NVFP4 modules outside the fused blocks (other widths, fp16): every product with at most
 `NVFP4_NATIVE_MAX_ROWS` rows goes to the native weight-only kernel (`nvfp4_linear`,
-kernels/cpu_nvfp4.cpp) through `_NativeNvfp4` below; larger batches decode the weight once
+kernels/csrc/nvfp4/nvfp4_linear.cpp) through `_NativeNvfp4` below; larger batches decode the weight once
 and use the reference GEMM. w4a4 NVFP4 and everything else is the torch backend's code.
 """
 
@@ -195,7 +195,7 @@ class CpuBackend(TorchBackend):
         # The fused blocks hold a whole layer: one process (no tensor-parallel partial sums).
         self.fused_blocks = fusable and all(n % 8 == 0 for n in widths) and model.parallel.tp_size == 1
         self.native_decode = cfg.head_dim % 8 == 0
-        # Prefill chunks of bf16 caches: the AVX-512-BF16 kernel (kernels/cpu_prefill_attention.cpp),
+        # Prefill chunks of bf16 caches: the AVX-512-BF16 kernel (kernels/csrc/attention/prefill_attention.cpp),
         # when the kernels run that path (checked per call: tests switch paths).
         self.native_prefill = cfg.head_dim % 16 == 0 and (cfg.head_dim <= 128 or cfg.head_dim == 256)
         # The head kernel needs a dense head, whatever the other modules' formats.
@@ -220,7 +220,7 @@ class CpuBackend(TorchBackend):
     @contextmanager
     def step(self, ctx: AttentionContext) -> Iterator[None]:
         """Holds the step's prompt rows for the fused blocks: the native products multiply
-        them by the prompt-sized kernel (kernels/cpu_gemv.h, split_prompt_runs); and
+        them by the prompt-sized kernel (kernels/csrc/gemm/jobs.h, split_prompt_runs); and
         follows the kernels' path for the weight arguments (`WeightArgs.refresh`)."""
         rows = ctx.prompt_rows
         self._prompt_rows = rows.contiguous() if rows is not None and bool(rows.any()) else None

@@ -1,5 +1,5 @@
 """The cpu backend's decode plan: a pure decode step of the whole model (embedding norm, every
-decoder layer, final norm) in one native call (kernels/cpu_decode_plan.cpp) instead of four
+decoder layer, final norm) in one native call (kernels/csrc/blocks/decode_plan.cpp) instead of four
 op calls per layer from Python.
 
 The plan holds, per layer, the argument tuples the step-by-step path passes to the fused ops

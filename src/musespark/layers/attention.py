@@ -50,7 +50,7 @@ class AttentionContext:
     row_wise: list[int] = field(default_factory=list)
     # [T] bool: the rows that are tokens of their request's prompt (None: none is). A backend
     # may multiply them by a prompt-sized kernel; whether a row is one depends on the row
-    # alone, never on its batch (kernels/cpu_gemv.h, split_prompt_runs).
+    # alone, never on its batch (kernels/csrc/gemm/jobs.h, split_prompt_runs).
     prompt_rows: torch.Tensor | None = None
     # The largest position in the step, when the caller built the positions (None: read them).
     max_position: int | None = None

@@ -13,7 +13,7 @@
 // four calls, and the products of a step (q/k/v/gate; router and pooler; every chosen
 // expert) share one parallel region.
 //
-// Numerics (SPEC §2-3), the same formulas as the PyTorch modules: the residual stream s is
+// Numerics (docs/spec.md §2-3), the same formulas as the PyTorch modules: the residual stream s is
 // fp32 [T, H]; every norm computes in fp32; each value the bf16 model stores (a norm's
 // output, each linear's output, silu, the SwiGLU product, the attention output) is rounded
 // to bf16 where PyTorch would round it. Every row is computed by itself in a fixed order

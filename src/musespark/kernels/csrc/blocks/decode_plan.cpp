@@ -54,32 +54,12 @@ struct Layer {
   Tensors w_pre, gate_up, down, w_post;
 };
 
-// A tensor the plan's arguments were made from (a weight, a norm's weight under a derived
-// gain), with its address and in-place write count (inference tensors keep none: -1) then.
-struct Source {
-  Tensor t;
-  const void* ptr;
-  int64_t version;
-};
-
-int64_t version_of(const Tensor& t) { return t.is_inference() ? -1 : static_cast<int64_t>(t._version()); }
-
 struct DecodePlan : torch::CustomClassHolder {
   std::vector<Layer> layers;
-  std::vector<Source> sources;
   // The embedding [V, H] bf16 and its norm's eps (undefined: the caller embeds, `run` takes
   // the stream); the final norm's gain [H] fp32 and eps.
   Tensor embedding, final_gain;
   double embed_eps = 0, final_eps = 0;
-
-  // Whether some source moved (`.to()`, a swapped storage) or was written in place since
-  // `watch`: then the arguments made from it are stale. One pass over a few hundred tensors,
-  // without Python (backends/cpu_decode.py checks module and parameter replacement itself).
-  bool stale() const {
-    for (const Source& w : sources)
-      if (w.t.const_data_ptr() != w.ptr || version_of(w.t) != w.version) return true;
-    return false;
-  }
 
   Layer& layer(int64_t i) {
     TORCH_CHECK(i >= 0 && i < 4096, "DecodePlan: layer index ", i, " out of range");
@@ -145,11 +125,6 @@ using Plan = c10::intrusive_ptr<DecodePlan>;
 TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<>())
-      .def("watch",
-           [](const Plan& self, Tensors sources) {
-             for (const Tensor& t : sources) self->sources.push_back({t, t.const_data_ptr(), version_of(t)});
-           })
-      .def("stale", [](const Plan& self) { return self->stale(); })
       .def("set_embedding",
            [](const Plan& self, Tensor weight, double eps) {
              TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,

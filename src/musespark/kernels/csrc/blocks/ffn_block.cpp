@@ -154,7 +154,7 @@ namespace musespark_ops {  // entry point: common/ops.h
 
 using namespace musespark_block;
 
-// s [T, H] fp32 -> s' [T, H] fp32, the compressed MoE (SPEC §3):
+// s [T, H] fp32 -> s' [T, H] fp32, the compressed MoE (docs/spec.md §3):
 //   f = bf16(rms(s) * pre_gain);  route f (fp32 router, above);
 //   u = bf16(rms(bf16(f Wpre^T)) * expert_in_gain)                    pooler + pre-expert norm
 //   y_e = bf16 SwiGLU expert e at width Hm (rounded like ffn_dense)

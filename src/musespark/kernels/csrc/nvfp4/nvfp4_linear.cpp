@@ -1,5 +1,5 @@
 // `nvfp4_linear(x, codes, block_scales, global_scale)`: y[M, N] = x[M, K] @ W[N, K]^T with W
-// an NVFP4 weight (NVFP4.md §2) decoded on the fly, weight-only: the activations
+// an NVFP4 weight (docs/nvfp4.md §2) decoded on the fly, weight-only: the activations
 // stay unquantized. AVX2 + FMA, for decode-sized M (any M works; the backend uses it for M <= 16).
 //
 // Inputs: x fp32 or bf16 [M, K] (K % 16 == 0); codes uint8 [N, K/2] (element 2j in the low
