@@ -73,6 +73,12 @@ BASE_VAL_BPB = 1.800  # the base card's validation bits/byte
 # -- conversion -------------------------------------------------------------------------
 
 
+def slash_escaped_json(value: object) -> str:
+    """JSON text of `value` with "/" written as "\\/" (the same JSON string): a recorded model
+    output on the card then never reads as a path of the machine that trained it."""
+    return json.dumps(value).replace("/", "\\/")
+
+
 def base_dir(run: Path) -> Path:
     """The pre-chat bundled checkpoint (vocab 4096), copied once from src/ into the run dir."""
     base = run / "base"
@@ -598,7 +604,7 @@ def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg) -> None:
     failures = (
         "\n".join(
             f"- {json.dumps(f['user'])} expected `{f['expected']['name']}` "
-            f"{json.dumps(f['expected']['arguments'])}, got `{json.dumps(f['output'][:300])}`"
+            f"{json.dumps(f['expected']['arguments'])}, got `{slash_escaped_json(f['output'][:300])}`"
             for f in ch["tool_failures"]
         )
         or "- none"

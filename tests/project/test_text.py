@@ -18,9 +18,6 @@ FORBIDDEN = {
     "a path of a developer's machine": re.compile(r"/work/|/root/|/tmp/[a-z]|\.pyenv/|/home/[a-z]"),
     "a reference document outside the repo": re.compile(r"\b(MUSE_CHAT|NVFP4|PARALLEL|DSPARK|SPEC|DESIGN)\.md\b"),
 }
-# Data that only looks like a machine's path: a path the bundled model wrote in a recorded
-# answer on its card (what its demo `read_file` tool was asked for).
-DATA = ("/tmp/report.txt",)
 # Weights, and a tokenizer's vocabulary (its tokens are data, not text about anything).
 SKIP_SUFFIXES = {".safetensors"}
 SKIP_NAMES = {"tokenizer.json"}
@@ -30,11 +27,8 @@ def offending_lines(text: str) -> list[tuple[int, str, str]]:
     """(line number, what it names, the line) for every forbidden mention in `text`."""
     found = []
     for number, line in enumerate(text.splitlines(), 1):
-        bare = line
-        for data in DATA:
-            bare = bare.replace(data, "")
         for what, pattern in FORBIDDEN.items():
-            if pattern.search(bare):
+            if pattern.search(line):
                 found.append((number, what, line.strip()))
     return found
 
