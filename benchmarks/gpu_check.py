@@ -11,7 +11,7 @@ backend, the torch backend and transformers, against the HBM roofline.
    (`musespark.backends.triton_reference`) on the GPU, in fp32
    and bf16, at hidden 4096, 32 heads / 8 KV heads of head_dim 128, 64 experts top-8 at
    Hm 2048 / Im 1024, 2048 tokens (experts: 512): max relative error, pass at fp32 1e-5 and
-   bf16 8e-3 (tests/test_triton_kernels.py states why); routing reports the fraction of
+   bf16 8e-3 (tests/kernels/test_triton_kernels.py states why); routing reports the fraction of
    tokens whose expert set equals the reference's (near-ties may flip in fp32 sums) and
    passes at >= 0.999. Attention: a 2048-token prompt, a 512-token chunk after a 1536-token
    prefix, 8 decode rows with contexts up to 4096, full and 1024-window, plus the bitwise

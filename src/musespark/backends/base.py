@@ -12,7 +12,7 @@ path of a layer, and it is the same for every backend:
 reference rounds to between steps). Each step takes the module that owns the weights (a
 `DecoderLayer`, its `Attention`, the model; typed by the Protocols of `modules.py`, since
 backends/ does not import model/), never loose tensors. The torch backend is the
-reference every other backend is tested against (tests/test_backends.py). A backend may
+reference every other backend is tested against (tests/model/test_backends.py). A backend may
 also offer `decode_forward`: a whole step in one call, the same bits as these steps.
 """
 

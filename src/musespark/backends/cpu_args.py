@@ -38,7 +38,7 @@ class WeightArgs:
     kernel (measured when the panels landed: `git log -S pack_panels`). bf16 experts [E, N, K] are packed likewise
     when `pack_experts` (the backend's choice, `cpu.expert_panels`: they are most of a MoE
     model, so that holds it nearly twice). The panels are made at a weight's first use (the
-    first step), not at load, which keeps one copy of the weights (tests/test_load_memory.py).
+    first step), not at load, which keeps one copy of the weights (tests/model/test_load_memory.py).
     `panels` follows the kernels' path (`refresh`, once per step)."""
 
     def __init__(self, ops: Any, pack_experts: bool = False) -> None:

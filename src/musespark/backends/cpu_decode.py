@@ -6,7 +6,7 @@ The plan holds, per layer, the argument tuples the step-by-step path passes to t
 (`CpuBackend._attn_in_args`, `_attn_out_args`, `_ffn_args`, cached in `StepArgs`) and the
 layer's KV cache, and the embedding's and final norm's arguments. The native loop calls the
 functions behind those ops in the same order with the same arguments, so a step's output is
-the same bits either way (tests/test_cpu_decode_plan.py). What it saves: ~2 ms of Python and
+the same bits either way (tests/kernels/test_cpu_decode_plan.py). What it saves: ~2 ms of Python and
 dispatch per batch-1 token on bench-small when it landed (`git log -S DecodePlan`).
 
 A model's weights are frozen once its backend is chosen (`cpu_args.py`), so the plan is built

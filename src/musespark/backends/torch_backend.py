@@ -1,6 +1,6 @@
 """The torch backend: the reference formulas (docs/spec.md §2-3) in plain PyTorch, for every dtype
 and device. Every rounding to the activation dtype is explicit and matches the production
-system's; other backends must match this one (tests/test_backends.py)."""
+system's; other backends must match this one (tests/model/test_backends.py)."""
 
 from __future__ import annotations
 
