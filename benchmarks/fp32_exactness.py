@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from oracle import CONFIGS, build_oracle, oracle_logits, relative_error, save_or
 
 import musespark  # noqa: E402
 import musespark.layers.linear as linear_module  # noqa: E402
-from musespark.backends import cpu_backend, select_backend  # noqa: E402
+from musespark.backends import select_backend  # noqa: E402
 from musespark.bench.common import print_json  # noqa: E402
 from musespark.kernels import cpu  # noqa: E402
 
@@ -51,16 +51,11 @@ def fp64_accumulated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return MKL(x, w)
 
 
-@contextmanager
-def fused_fp32_everywhere():
+def fused_fp32_everywhere(backend) -> None:
     """The cpu backend's fp32 blocks on every row (they serve decode-sized steps only; a
     prompt is where their numerics can be compared with float64 position by position)."""
-    saved = cpu_backend.FP32_FUSED_MAX_ROWS
-    cpu_backend.FP32_FUSED_MAX_ROWS = 1 << 30
-    try:
-        yield
-    finally:
-        cpu_backend.FP32_FUSED_MAX_ROWS = saved
+    if backend.name == "cpu":
+        backend.plan = replace(backend.plan, fp32_fused_max_rows=1 << 30)
 
 
 def use_linear(fn) -> None:
@@ -99,8 +94,8 @@ def main() -> None:
                 for way, (backend, fn) in ways.items():
                     use_linear(fn)
                     ours.backend = select_backend(backend, ours)
-                    with fused_fp32_everywhere():
-                        logits[way] = ours.prompt_logits(ids)
+                    fused_fp32_everywhere(ours.backend)
+                    logits[way] = ours.prompt_logits(ids)
                 use_linear(MKL)
                 row = {
                     "config": name,

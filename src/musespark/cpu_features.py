@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from pathlib import Path
 
+from . import env
+
 # x86 instruction-set levels the native kernels may target, lowest first.
 ISA_LEVELS = ("none", "avx2", "avx512", "avx512_bf16", "amx_bf16")
-ISA_ENV = "MUSESPARK_ISA"  # run as if the CPU stopped at this level (tests, A/B runs)
 # The environment that makes a process run as on an AVX2-only x86 CPU, every library alike: our
 # kernels, ATen's vector kernels, oneDNN (PyTorch's bf16 matmuls then leave oneDNN for its own
 # loops, as on such a CPU) and MKL. Read when each library loads: set it before torch is imported.
 # Only the instruction sets change; the caches and memory stay this machine's.
 AVX2_ONLY_ENV = {
-    ISA_ENV: "avx2",
+    env.ISA: "avx2",
     "ATEN_CPU_CAPABILITY": "avx2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
@@ -76,12 +76,12 @@ def detected_isa() -> str:
 def isa() -> str:
     """The ISA level the kernels may use: the detected one, or MUSESPARK_ISA if it names a
     lower level (a higher one than the CPU has is an error, not a crash later)."""
-    want = os.environ.get(ISA_ENV)
+    want = env.isa_override()
     have = detected_isa()
     if not want:
         return have
     if want not in ISA_LEVELS:
-        raise ValueError(f"{ISA_ENV}={want!r}: expected one of {', '.join(ISA_LEVELS)}")
+        raise ValueError(f"{env.ISA}={want!r}: expected one of {', '.join(ISA_LEVELS)}")
     if ISA_LEVELS.index(want) > ISA_LEVELS.index(have):
-        raise ValueError(f"{ISA_ENV}={want!r}: this CPU supports at most {have!r}")
+        raise ValueError(f"{env.ISA}={want!r}: this CPU supports at most {have!r}")
     return want

@@ -25,21 +25,21 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import warnings
 from math import prod
 from pathlib import Path
 
 import torch
 
+from . import env
+
 HUGE_PAGE = 2 << 20
-ENV = "MUSESPARK_HUGEPAGES"
 
 
 def enabled() -> bool:
     """Whether `empty` maps large tensors itself (MUSESPARK_HUGEPAGES, default on, where the
     platform can advise huge pages)."""
-    return os.environ.get(ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    return env.hugepages_enabled() and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def describe() -> str:
@@ -48,7 +48,7 @@ def describe() -> str:
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return "unavailable (no MADV_HUGEPAGE on this platform)"
     if not enabled():
-        return f"off ({ENV}=0)"
+        return f"off ({env.HUGEPAGES}=0)"
     try:
         text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:

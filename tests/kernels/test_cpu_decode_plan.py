@@ -3,6 +3,7 @@ decode step of the whole model in one native call must give the step-by-step pat
 must follow the model and the step it was built for."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def _run(model, plan: bool) -> tuple[list[torch.Tensor], int]:
     """Three sequences: two prompts, then decode steps of both, then a one-token prompt joins
     (a decode-shaped step with a prompt row), then all three. -> every step's logits, builds."""
     backend = model.backend
-    backend.use_decode_plan = plan
+    backend.plan = replace(backend.plan, whole_step=plan)
     builds = backend.decode_plan.builds
     d = Decoder(model, [list(range(3, 12)), list(range(20, 26)), [40]], steps=16)
     out = [d.step([0]), d.step([1])]
@@ -160,7 +161,7 @@ def test_the_plan_gives_the_layer_by_layer_bits_on_nvfp4_weights(tmp_path, kerne
         == 0
     )
     model = musespark.load_model(dst, backend="cpu")
-    assert model.backend.fused_blocks and type(model.layers[1].mlp.experts.format).__name__ == "Nvfp4Experts"
+    assert model.backend.plan.fused_blocks and type(model.layers[1].mlp.experts.format).__name__ == "Nvfp4Experts"
     plan, builds = _run(model, plan=True)
     layers, _ = _run(model, plan=False)
     assert builds == 1
@@ -192,11 +193,12 @@ def test_the_plan_is_built_once_and_follows_the_caches_and_a_new_backend(kernel_
     def check_step() -> None:
         twin = d.fork()
         got = d.step([0])
-        model.backend.use_decode_plan = False
+        whole = model.backend.plan
+        model.backend.plan = replace(whole, whole_step=False)
         try:
             want = twin.step([0])
         finally:
-            model.backend.use_decode_plan = True
+            model.backend.plan = whole
         assert torch.equal(got, want)
 
     d = d.fork()  # new caches, same contents

@@ -10,10 +10,11 @@ import sys
 import pytest
 
 from musespark import cpu_features as cf
+from musespark import env
 
 
 def test_detected_level_matches_the_flags(monkeypatch):
-    monkeypatch.delenv(cf.ISA_ENV, raising=False)  # the CPU's own level, whatever the run lowered it to
+    monkeypatch.delenv(env.ISA, raising=False)  # the CPU's own level, whatever the run lowered it to
     f, level = cf.cpu_flags(), cf.detected_isa()
     assert level in cf.ISA_LEVELS
     if level != "none":
@@ -26,14 +27,14 @@ def test_detected_level_matches_the_flags(monkeypatch):
 
 def test_override_lowers_but_never_raises(monkeypatch):
     have = cf.detected_isa()
-    monkeypatch.setenv(cf.ISA_ENV, "none")
+    monkeypatch.setenv(env.ISA, "none")
     assert cf.isa() == "none" and not cf.has_native_bf16()
-    monkeypatch.setenv(cf.ISA_ENV, "bogus")
+    monkeypatch.setenv(env.ISA, "bogus")
     with pytest.raises(ValueError, match="MUSESPARK_ISA"):
         cf.isa()
     higher = cf.ISA_LEVELS[cf.ISA_LEVELS.index(have) + 1 :] if have != cf.ISA_LEVELS[-1] else ()
     for level in higher:
-        monkeypatch.setenv(cf.ISA_ENV, level)
+        monkeypatch.setenv(env.ISA, level)
         with pytest.raises(ValueError, match="at most"):
             cf.isa()
 
@@ -62,10 +63,10 @@ def test_the_override_lowers_the_kernel_path():
 def test_batch_invariance_is_the_default_and_the_variable_is_checked(monkeypatch):
     from musespark.kernels import cpu
 
-    monkeypatch.delenv(cpu.BATCH_INVARIANT_ENV, raising=False)
+    monkeypatch.delenv(env.BATCH_INVARIANT, raising=False)
     assert cpu.batch_invariant()
-    monkeypatch.setenv(cpu.BATCH_INVARIANT_ENV, "0")
+    monkeypatch.setenv(env.BATCH_INVARIANT, "0")
     assert not cpu.batch_invariant()
-    monkeypatch.setenv(cpu.BATCH_INVARIANT_ENV, "yes")
+    monkeypatch.setenv(env.BATCH_INVARIANT, "yes")
     with pytest.raises(ValueError, match="MUSESPARK_BATCH_INVARIANT"):
         cpu.batch_invariant()

@@ -6,11 +6,13 @@ import platform
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from musespark import env
 from musespark.kernels import cpu
 from musespark.kernels.cpu import PANEL_PATHS
 
@@ -613,7 +615,7 @@ def test_the_cpu_backend_packs_dense_bf16_weights_for_the_avx512_path_only(kerne
     weights and the AVX2 path keep [weight] alone."""
     model = _random_model(seed=3)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(cpu.EXPERT_PANELS_ENV, "0")
+        mp.setenv(env.EXPERT_PANELS, "0")
         _, native = _backends(model)
     attn, moe = model.layers[0].self_attn, model.layers[1].mlp
     for linear in (attn.q_proj, attn.o_proj, moe.pre_expert_proj, model.lm_head):
@@ -634,17 +636,17 @@ def test_expert_panels_policy(monkeypatch):
     from musespark.bench.common import machine
 
     monkeypatch.setattr(cpu, "expert_panels_chosen", None)
-    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
+    monkeypatch.setenv(env.EXPERT_PANELS, "1")
     assert cpu.expert_panels(1 << 60) and cpu.expert_panels_chosen is True
     assert machine()["expert_panels"] == "1: packed"  # what the benchmarks' JSON lines record
-    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "0")
+    monkeypatch.setenv(env.EXPERT_PANELS, "0")
     assert not cpu.expert_panels(1) and cpu.expert_panels_chosen is False
     assert machine()["expert_panels"] == "0: not packed"
-    monkeypatch.delenv(cpu.EXPERT_PANELS_ENV)
+    monkeypatch.delenv(env.EXPERT_PANELS)
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert cpu.expert_panels(1 << 20) and not cpu.expert_panels(available)
     assert machine()["expert_panels"] == "auto: not packed"
-    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "yes")
+    monkeypatch.setenv(env.EXPERT_PANELS, "yes")
     with pytest.raises(ValueError, match="MUSESPARK_EXPERT_PANELS='yes': expected 0, 1 or auto"):
         cpu.expert_panels(1)
 
@@ -661,9 +663,9 @@ def test_packed_experts_give_every_row_the_prompt_rows_bits(T, kernel_path, monk
     model = _random_model(
         seed=T + 11, moe_hidden_size=64, moe_intermediate_size=96, num_local_experts=8, num_experts_per_tok=4
     )
-    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
+    monkeypatch.setenv(env.EXPERT_PANELS, "1")
     _, packed = _backends(model)
-    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "0")
+    monkeypatch.setenv(env.EXPERT_PANELS, "0")
     _, plain = _backends(model)
     sparse = [layer for layer in model.layers if type(layer.mlp).__name__ == "SparseMoeBlock"]
     gu, down = packed.weights.experts(sparse[0].mlp.experts)
@@ -696,10 +698,10 @@ def test_expert_panels_argument_is_checked(kernel_path, monkeypatch):
     if kernel_path not in PANEL_PATHS:
         pytest.skip("expert panels exist on the avx512_bf16 path only; this CPU runs " + kernel_path)
     model = _random_model(seed=2)
-    monkeypatch.setenv(cpu.EXPERT_PANELS_ENV, "1")
+    monkeypatch.setenv(env.EXPERT_PANELS, "1")
     _, native = _backends(model)
     layer = model.layers[1]
-    args = list(native._ffn_args("ffn_moe", layer))
+    args = list(native.args.ffn(layer))
     at = next(i for i, a in enumerate(args) if isinstance(a, list) and len(a) == 2 and a[0].dim() == 3)
     gu, panels = args[at]
     s = torch.randn(2, model.config.hidden_size)
@@ -734,18 +736,12 @@ def test_fused_model_matches_the_module_path(kernel_path):
     assert per_position.median() <= 1e-2, per_position
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
 
-    from musespark.backends import cpu_backend
-
     model = model.float()
     reference, native = _backends(model)
-    saved = cpu_backend.FP32_FUSED_MAX_ROWS
-    cpu_backend.FP32_FUSED_MAX_ROWS = 1 << 30
-    try:
-        with torch.inference_mode():
-            model.backend = native
-            fused = model.prompt_logits(ids)
-    finally:
-        cpu_backend.FP32_FUSED_MAX_ROWS = saved
+    native.plan = replace(native.plan, fp32_fused_max_rows=1 << 30)
+    with torch.inference_mode():
+        model.backend = native
+        fused = model.prompt_logits(ids)
     with torch.inference_mode():
         model.backend = reference
         plain = model.prompt_logits(ids)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from musespark import hugepages
+from musespark import env, hugepages
 from musespark.checkpoint.safetensors_file import SafetensorsFile
 
 linux_thp = pytest.mark.skipif(
@@ -48,7 +48,7 @@ def test_a_large_tensor_starts_on_a_huge_page_in_advised_memory(dtype: torch.dty
 def test_a_small_tensor_or_the_switch_off_gives_plain_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     small = hugepages.empty((100, 100), torch.float32)
     assert small.shape == (100, 100) and "hg" not in vma_flags(small)
-    monkeypatch.setenv(hugepages.ENV, "0")
+    monkeypatch.setenv(env.HUGEPAGES, "0")
     assert not hugepages.enabled()
     off = hugepages.empty((1024, 1024), torch.float32)
     assert off.shape == (1024, 1024) and "hg" not in vma_flags(off)
@@ -85,16 +85,16 @@ def test_checkpoint_weights_and_packed_panels_are_read_into_advised_memory(tmp_p
 
 def test_zeros_reads_as_zeros_whichever_memory_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
     for on in ("1", "0"):
-        monkeypatch.setenv(hugepages.ENV, on)
+        monkeypatch.setenv(env.HUGEPAGES, on)
         t = hugepages.zeros((1536, 1024), torch.float32)
         assert t.shape == (1536, 1024) and not t.any()
 
 
 @linux_thp
 def test_describe_reports_the_switch_and_the_system_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(hugepages.ENV, "0")
-    assert hugepages.describe() == f"off ({hugepages.ENV}=0)"
-    monkeypatch.setenv(hugepages.ENV, "1")
+    monkeypatch.setenv(env.HUGEPAGES, "0")
+    assert hugepages.describe() == f"off ({env.HUGEPAGES}=0)"
+    monkeypatch.setenv(env.HUGEPAGES, "1")
     sysfs = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sysfs.exists():
         assert hugepages.describe() == "on (THP mode unknown)"

@@ -11,6 +11,8 @@ on the cpu backend as on the torch reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,9 +81,10 @@ def test_decoded_weights_are_bit_identical(dtype, kernel_path):
 
 
 def test_row_groups_of_global_scales_and_nvfp4_formats(kernel_path):
-    """G global scales split N into G row groups (an expert's gate|up); the backend's twins of
-    Nvfp4Linear / Nvfp4Experts give the reference formats' results."""
-    from musespark.backends.cpu_backend import _NativeNvfp4Experts, _NativeNvfp4Linear
+    """G global scales split N into G row groups (an expert's gate|up); the CPU plan's native
+    products of Nvfp4Linear / Nvfp4Experts give the reference formats' results."""
+    from musespark.backends.cpu_plan import CpuPlan, CpuProducts
+    from musespark.layers.linear import Linear
 
     gen = torch.Generator().manual_seed(11)
     E, I, Hm = 3, 32, 64
@@ -95,7 +98,9 @@ def test_row_groups_of_global_scales_and_nvfp4_formats(kernel_path):
     module.down_proj_weight_scale = torch.stack([s for _, s, _ in dn]).view(torch.float8_e4m3fn)
     module.down_proj_weight_scale_2 = torch.tensor([0.01, 0.02, 0.04])
     ref = Nvfp4Experts("e", "weight-only")
-    twin = _NativeNvfp4Experts(ref, ops)
+    module.format = ref
+    flags = dict.fromkeys(("fused_blocks", "native_decode", "native_prefill", "native_head", "native_embed"), False)
+    native = CpuProducts(CpuPlan(path=kernel_path, panels=False, widen_bf16=False, **flags), ops)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(5, Hm, generator=gen).to(dtype)
         for e in range(E):
@@ -110,15 +115,18 @@ def test_row_groups_of_global_scales_and_nvfp4_formats(kernel_path):
                 x,
                 gate_up,
             )
-            expected, got = ref.apply(module, e, x), twin.apply(module, e, x)
+            expected, got = ref.apply(module, e, x), native.expert(module, e, x, False)
             assert got.dtype == dtype
             torch.testing.assert_close(got.float(), expected.float(), rtol=2**-6, atol=1e-2)
-    lin = torch.nn.Module()
-    lin.weight, s, lin.weight_scale_2 = random_weight(48, 128, gen)
-    lin.weight_scale = s.view(torch.float8_e4m3fn)
+    lin = Linear(128, 48, Nvfp4Linear("l", "weight-only"))
+    codes, s, scale_2 = random_weight(48, 128, gen)
+    with torch.no_grad():
+        lin.weight.copy_(codes)
+        lin.weight_scale.copy_(s.view(torch.float8_e4m3fn))
+        lin.weight_scale_2.copy_(scale_2)
     x = torch.randn(2, 4, 128, generator=gen).bfloat16()  # leading dims are flattened and restored
     expected = Nvfp4Linear("l", "weight-only").apply(lin, x)
-    got = _NativeNvfp4Linear(Nvfp4Linear("l", "weight-only"), ops).apply(lin, x)
+    got = native.linear(lin, x)
     assert got.shape == expected.shape == (2, 4, 48)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-6)
 
@@ -188,7 +196,7 @@ def test_cpu_backend_routes_nvfp4_products_to_the_kernel(nvfp4_model, monkeypatc
     goes to `nvfp4_linear` through the swapped-in native formats."""
     model = nvfp4_model
     backend = model.backend
-    assert backend.name == "cpu" and backend.nvfp4 and backend.fused_blocks  # NVFP4 modules found
+    assert backend.name == "cpu" and backend.plan.fused_blocks
     assert select_backend("auto", model).name == "cpu"
     fused, rows = [], []
     real = ops.nvfp4_linear
@@ -210,14 +218,15 @@ def test_cpu_backend_routes_nvfp4_products_to_the_kernel(nvfp4_model, monkeypatc
             return real(*args)
 
     monkeypatch.setattr(backend, "ops", Spy())
-    for swaps in backend.nvfp4.swaps.values():
-        for _, twin in swaps:
-            monkeypatch.setattr(twin, "ops", Spy())
+    monkeypatch.setattr(backend.products, "ops", Spy())
     formats = {name: m.format for name, m in model.named_modules() if hasattr(m, "format")}
     paged_greedy(model, [1, 2, 3], 2)
     assert fused and min(fused) >= 1 and not rows  # every fused call had an NVFP4 weight
-    monkeypatch.setattr(backend, "fused_blocks", False)
+    plan = backend.plan
+    backend.plan = replace(plan, fused_blocks=False)
+    monkeypatch.setattr(backend.products, "ops", Spy())
     paged_greedy(model, [1, 2, 3], 2)
+    backend.plan = plan
     assert rows and max(rows) <= 3
     # Between steps the model keeps its reference formats.
     assert all(m.format is formats[name] for name, m in model.named_modules() if hasattr(m, "format"))
@@ -264,7 +273,7 @@ def test_the_kernel_alone_keeps_the_greedy_tokens(nvfp4_model, kernel_path):
     "import os..." on the avx2 path (bf16 roundings after fp32 sums in another order,
     compounded over 6 layers)."""
     backend = select_backend("cpu", nvfp4_model)
-    backend.native_decode = False
+    backend.plan = replace(backend.plan, native_decode=False, native_prefill=False)
     for same, agree, max_err, mean_err in compare(nvfp4_model, backend, PROMPTS):
         print(f"\nkernel alone: tokens equal {same}, {agree}/24 agree, max {max_err:.4f} mean {mean_err:.5f}")
         assert agree >= 23 and max_err <= 0.05 and mean_err <= 0.005

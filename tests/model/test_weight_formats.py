@@ -85,7 +85,7 @@ def test_a_new_format_loads_and_multiplies_without_other_changes(checkpoints):
 def test_the_cpu_backend_leaves_unknown_formats_to_the_reference(checkpoints):
     _, quant_path = checkpoints
     model = musespark.load_model(quant_path, dtype="bfloat16", backend="cpu", formats=DownProjInt8())
-    assert not model.backend.fused_blocks  # the layers run the reference's code
+    assert not model.backend.plan.fused_blocks  # the layers run the reference's code
     ids = list(range(3, 40))
     native = model.prompt_logits(ids)
     model.backend = select_backend("torch", model)

@@ -48,7 +48,8 @@ ORDER: list[tuple[str, ...]] = [
     ("kernels",),
     ("parallel",),
     ("checkpoint",),
-    ("config", "sampling_params", "cpu_features", "hugepages"),
+    ("cpu_features", "hugepages"),
+    ("config", "sampling_params", "env"),
     ("errors",),
 ]
 

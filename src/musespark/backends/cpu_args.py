@@ -20,13 +20,16 @@ kernel path (`WeightArgs.panels`): the same module has one argument per path.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..kernels import cpu
 from ..quant.nvfp4 import Nvfp4Experts, Nvfp4Linear
+
+if TYPE_CHECKING:
+    from .modules import DecoderLayerModule
 
 
 class WeightArgs:
@@ -39,17 +42,13 @@ class WeightArgs:
     when `pack_experts` (the backend's choice, `cpu.expert_panels`: they are most of a MoE
     model, so that holds it nearly twice). The panels are made at a weight's first use (the
     first step), not at load, which keeps one copy of the weights (tests/model/test_load_memory.py).
-    `panels` follows the kernels' path (`refresh`, once per step)."""
+    `panels` is the current plan's (cpu_plan.py; the backend sets it when the path changes)."""
 
-    def __init__(self, ops: Any, pack_experts: bool = False) -> None:
-        self.ops = ops
+    def __init__(self, panels: bool, pack_experts: bool = False) -> None:
+        self.panels = panels
         self.pack_experts = pack_experts
         # (id(module), panels) -> (module, args); the module is held so that its id stays its own.
         self._cache: dict[tuple[int, bool], tuple[nn.Module, Any]] = {}
-        self.refresh()
-
-    def refresh(self) -> None:
-        self.panels = self.ops.isa_path() in cpu.PANEL_PATHS
 
     def _get(self, module: nn.Module, names: tuple[str, ...], build: Callable[..., Any]) -> Any:
         key = (id(module), self.panels)
@@ -92,17 +91,89 @@ class WeightArgs:
 
 
 class StepArgs:
-    """Each (op, owner) argument tuple, per weight path (`WeightArgs.panels`).
-    `get(op, owner, build)`: `build()` returns the tuple, made once."""
+    """Each fused op's argument tuple per (op, owner), built at first use and kept per weight
+    path (`WeightArgs.panels`): the arguments after the stream that `attn_in`, `attn_out`,
+    `ffn_dense` and `ffn_moe` take (kernels/csrc/blocks/block.h), the same tuples the layer-by-layer
+    path passes and the whole-step plan holds (cpu_decode.py)."""
 
     def __init__(self, weights: WeightArgs) -> None:
         self.weights = weights
         # (op, id(owner), panels) -> (owner, args); the owner is held so that its id stays its own.
         self._cache: dict[tuple[str, int, bool], tuple[nn.Module, tuple]] = {}
 
-    def get(self, op: str, owner: nn.Module, build: Callable[[], tuple]) -> tuple:
+    def _get(self, op: str, owner: nn.Module, build: Callable[[], tuple]) -> tuple:
         key = (op, id(owner), self.weights.panels)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = (owner, build())
         return hit[1]
+
+    def attn_in(self, layer: DecoderLayerModule) -> tuple:
+        """The input norm, q/k/v/gate weights, head counts and the q scale."""
+
+        def build() -> tuple:
+            attn, norm, w = layer.self_attn, layer.input_layernorm, self.weights
+            return (
+                norm.gain(),
+                norm.eps,
+                w.linear(attn.q_proj),
+                w.linear(attn.k_proj),
+                w.linear(attn.v_proj),
+                w.linear(attn.gate_proj),
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.qk_scale,
+            )
+
+        return self._get("attn_in", layer, build)
+
+    def attn_out(self, layer: DecoderLayerModule) -> tuple:
+        """The o weight, the O-norm eps, the residual gate's coefficients and the post-norm eps."""
+
+        def build() -> tuple:
+            attn, gate = layer.self_attn, layer.post_attention_residual_gate
+            return (self.weights.linear(attn.o_proj), attn.eps, *gate.coefficients_cached(), layer.post_norm_eps)
+
+        return self._get("attn_out", layer, build)
+
+    def ffn(self, layer: DecoderLayerModule) -> tuple:
+        """`ffn_dense`'s or `ffn_moe`'s arguments between the stream and the bf16 flag: the
+        pre-norm, the block's weights, the post-norm and the residual gate. `ffn_moe` takes one
+        eps for the pre-norm and the pre-expert norm (both rms_norm_eps) and one for the
+        per-expert and block post-norms (both post_norm_eps)."""
+
+        def build() -> tuple:
+            mlp, pre, post, gate = (
+                layer.mlp,
+                layer.pre_feedforward_layernorm,
+                layer.post_feedforward_layernorm,
+                layer.post_feedforward_residual_gate,
+            )
+            w, tail = self.weights, (post.gain(), post.eps, *gate.coefficients_cached())
+            if not layer.is_sparse:
+                return (
+                    pre.gain(),
+                    pre.eps,
+                    w.linear(mlp.gate_proj),
+                    w.linear(mlp.up_proj),
+                    w.linear(mlp.down_proj),
+                    *tail,
+                )
+            router, experts = mlp.gate, mlp.experts
+            return (
+                pre.gain(),
+                pre.eps,
+                router.weight.float(),
+                router.e_score_correction_bias.float(),
+                router.top_k,
+                router.output_multiplier,
+                router.routed_scaling_factor,
+                w.linear(mlp.pre_expert_proj),
+                mlp.pre_expert_norm.gain(),
+                *w.experts(experts),
+                experts.post_expert_norm.gain(),
+                w.linear(mlp.post_expert_proj),
+                *tail,
+            )
+
+        return self._get("ffn", layer, build)

@@ -1,17 +1,18 @@
-"""The cpu backend's decode plan: a pure decode step of the whole model (embedding norm, every
-decoder layer, final norm) in one native call (kernels/csrc/blocks/decode_plan.cpp) instead of four
-op calls per layer from Python.
+"""The cpu backend's whole-step plan: a pure decode step of the whole model (embedding norm,
+every decoder layer, final norm) in one native call (kernels/csrc/blocks/decode_plan.cpp)
+instead of four op calls per layer from Python.
 
-The plan holds, per layer, the argument tuples the step-by-step path passes to the fused ops
-(`CpuBackend._attn_in_args`, `_attn_out_args`, `_ffn_args`, cached in `StepArgs`) and the
-layer's KV cache, and the embedding's and final norm's arguments. The native loop calls the
-functions behind those ops in the same order with the same arguments, so a step's output is
-the same bits either way (tests/kernels/test_cpu_decode_plan.py). What it saves: ~2 ms of Python and
-dispatch per batch-1 token on bench-small when it landed (`git log -S DecodePlan`).
+It is the layer-by-layer path with the loop moved into C++: per layer it holds the argument
+tuples that path passes to the fused ops (`StepArgs`, the same objects) and the layer's KV
+cache, and the native loop calls the functions behind those ops in the same order with the
+same arguments, so a step's output is the same bits either way
+(tests/kernels/test_cpu_decode_plan.py). When a step may take it is the CPU plan's call
+(`CpuPlan.whole`). What it saves: ~2 ms of Python and dispatch per batch-1 token on
+bench-small when it landed (`git log -S DecodePlan`).
 
-A model's weights are frozen once its backend is chosen (`cpu_args.py`), so the plan is built
-at the first decode step and rebuilt only when the step's own inputs to it differ: the weight
-path (`WeightArgs.panels`), the step's dtype, the KV caches or the layer groups.
+A model's weights are frozen once its backend is chosen (`cpu_args.py`), so the native plan
+is built at the first decode step and rebuilt only when the step's own inputs to it differ:
+the weight path (`CpuPlan.panels`), the step's dtype, the KV caches or the layer groups.
 """
 
 from __future__ import annotations
@@ -22,38 +23,40 @@ import torch
 
 if TYPE_CHECKING:
     from ..layers.attention import AttentionContext
-    from .cpu_backend import CpuBackend
+    from .cpu_args import StepArgs
+    from .cpu_plan import CpuPlan
     from .modules import DecoderModel
 
 
 class DecodePlan:
     """`run` is the model's forward over a pure decode step (the caller,
-    `CpuBackend.decode_forward`, says when a step is one)."""
+    `CpuBackend.decode_forward`, asks the CPU plan whether a step is one)."""
 
-    def __init__(self, backend: CpuBackend) -> None:
-        self.backend = backend
+    def __init__(self, args: StepArgs) -> None:
+        self.args = args
         self.builds = 0  # how many times a plan was built (tests: reuse and rebuilds)
         self._native: Any = None
         self._key: tuple = ()
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rope_layers: list[int] = []  # one layer per rotary base: run's tables, in order
-        self._embeds = False  # whether the native plan embeds (a bf16 embedding)
 
     def run(
         self,
         model: DecoderModel,
-        input_ids: torch.Tensor,
+        plan: CpuPlan,
+        first: torch.Tensor,
         positions: torch.Tensor,
         ctx: AttentionContext,
         rope: dict,
         dtype: torch.dtype,
+        prompt: torch.Tensor | None,
     ) -> torch.Tensor:
-        """input_ids [B], one new token per sequence -> the final norm's output [B, H] in `dtype`.
-        The rotary tables go through `rope` as in the step-by-step path."""
+        """first: the token ids [B] (one new token per sequence) where `plan.native_embed`, else
+        the embedding norm's output [B, H] fp32 -> the final norm's output [B, H] in `dtype`.
+        The rotary tables go through `rope` as in the layer-by-layer path; `prompt`: the
+        step's prompt-row flags (CpuBackend.step)."""
         assert ctx.kv_caches is not None and ctx.groups is not None and ctx.layer_group is not None
-        native = self._current(model, ctx, dtype)
-        # A bf16 embedding is looked up and normed natively; another goes the backend's way.
-        first = input_ids if self._embeds else self.backend.embed(model, input_ids)
+        native = self._current(model, plan, ctx, dtype)
         tables = [model.layers[i].self_attn.rotary(positions, rope, ctx.max_position) for i in self._rope_layers]
         return native.run(
             first,
@@ -63,13 +66,13 @@ class DecodePlan:
             [g.block_tables for g in ctx.groups],
             ctx.seq_lens_tensor(positions.device),
             dtype == torch.bfloat16,
-            self.backend._prompt(input_ids),
+            prompt,
         )
 
-    def _current(self, model: DecoderModel, ctx: AttentionContext, dtype: torch.dtype) -> Any:
+    def _current(self, model: DecoderModel, plan: CpuPlan, ctx: AttentionContext, dtype: torch.dtype) -> Any:
         caches = ctx.kv_caches
         assert caches is not None and ctx.layer_group is not None
-        key = (id(model), dtype, self.backend.weights.panels, tuple(ctx.layer_group))
+        key = (id(model), dtype, plan.panels, plan.native_embed, tuple(ctx.layer_group))
         if (
             self._native is not None
             and key == self._key
@@ -78,13 +81,13 @@ class DecodePlan:
         ):
             return self._native
         self._native = None  # a failed build leaves no half-built plan behind
-        native = self._build(model, ctx)
+        native = self._build(model, plan, ctx)
         self._native, self._key, self._caches = native, key, list(caches)
         self.builds += 1
         return native
 
-    def _build(self, model: DecoderModel, ctx: AttentionContext) -> Any:
-        backend, caches, layer_group = self.backend, ctx.kv_caches, ctx.layer_group
+    def _build(self, model: DecoderModel, plan: CpuPlan, ctx: AttentionContext) -> Any:
+        args, caches, layer_group = self.args, ctx.kv_caches, ctx.layer_group
         assert caches is not None and layer_group is not None
         native = torch.classes.musespark_cpu.DecodePlan()
         bases: dict[float, int] = {}
@@ -98,15 +101,13 @@ class DecodePlan:
                     bases[attn.rope_theta] = len(self._rope_layers)
                     self._rope_layers.append(i)
                 rope = bases[attn.rope_theta]
-            k_cache, v_cache = caches[attn.layer]  # of the step's dtype (CpuBackend.decode_forward)
-            ffn = "ffn_moe" if layer.is_sparse else "ffn_dense"
-            native.set_attn_in(i, *backend._attn_in_args(layer), rope)
+            k_cache, v_cache = caches[attn.layer]  # of the step's dtype (CpuPlan.whole)
+            native.set_attn_in(i, *args.attn_in(layer), rope)
             native.set_attention(i, k_cache, v_cache, layer_group[attn.layer], attn.window or 0, attn.scale)
-            native.set_attn_out(i, *backend._attn_out_args(layer))
-            getattr(native, "set_" + ffn)(i, *backend._ffn_args(ffn, layer))
+            native.set_attn_out(i, *args.attn_out(layer))
+            (native.set_ffn_moe if layer.is_sparse else native.set_ffn_dense)(i, *args.ffn(layer))
         embedding, norm = model.embed_tokens.weight, model.norm
-        self._embeds = embedding.dtype == torch.bfloat16  # CpuBackend.embed's native case
-        if self._embeds:
+        if plan.native_embed:  # CpuBackend.embed's native case
             native.set_embedding(embedding, model.config.rms_norm_eps)
         native.set_final_norm(norm.gain(), norm.eps)
         return native

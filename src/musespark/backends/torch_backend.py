@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layers.attention import AttentionContext, paged_attention
+from ..layers.linear import REFERENCE, Products
 from ..layers.norm import rms
 from ..layers.rotary import norm_rope
 from .base import Backend, Rotary
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 class TorchBackend(Backend):
     name = "torch"
     supports_autograd = True
+    # Who computes the products (layers/linear.py): the formats' reference products here.
+    products: Products = REFERENCE
 
     def embed(self, model: DecoderModel, input_ids: torch.Tensor) -> torch.Tensor:
         return rms(model.embed_tokens(input_ids), model.config.rms_norm_eps)
@@ -29,10 +32,11 @@ class TorchBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         attn, T, D = layer.self_attn, s.shape[0], layer.self_attn.head_dim
         h = layer.input_layernorm(s, out_dtype=dtype)
-        q = norm_rope(attn.q_proj(h).view(T, attn.num_heads, D), attn.eps, attn.qk_scale, rotary, dtype)
-        k = norm_rope(attn.k_proj(h).view(T, attn.num_kv_heads, D), attn.eps, 1.0, rotary, dtype)
-        v = attn.v_proj(h).view(T, attn.num_kv_heads, D)
-        g = attn.gate_proj(h).view(T, attn.num_heads, D)
+        mm = self.products
+        q = norm_rope(mm.linear(attn.q_proj, h).view(T, attn.num_heads, D), attn.eps, attn.qk_scale, rotary, dtype)
+        k = norm_rope(mm.linear(attn.k_proj, h).view(T, attn.num_kv_heads, D), attn.eps, 1.0, rotary, dtype)
+        v = mm.linear(attn.v_proj, h).view(T, attn.num_kv_heads, D)
+        g = mm.linear(attn.gate_proj, h).view(T, attn.num_heads, D)
         return q, k, v, g
 
     def attention(
@@ -49,7 +53,7 @@ class TorchBackend(Backend):
     def attn_out(self, layer: DecoderLayerModule, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         attn, T = layer.self_attn, s.shape[0]
         o = (rms(o, attn.eps) * torch.sigmoid(g.float())).to(o.dtype)  # O-norm, then sigmoid gate
-        a = attn.o_proj(o.reshape(T, attn.num_heads * attn.head_dim))
+        a = self.products.linear(attn.o_proj, o.reshape(T, attn.num_heads * attn.head_dim))
         return layer.post_attention_residual_gate(s, rms(a, layer.post_norm_eps))  # weightless post-norm
 
     def dense_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -58,9 +62,8 @@ class TorchBackend(Backend):
     def moe_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._ffn(layer, s, dtype)
 
-    @staticmethod
-    def _ffn(layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        b = layer.mlp(layer.pre_feedforward_layernorm(s, out_dtype=dtype))  # DenseMlp or SparseMoeBlock
+    def _ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b = layer.mlp(layer.pre_feedforward_layernorm(s, out_dtype=dtype), self.products)  # DenseMlp or SparseMoeBlock
         return layer.post_feedforward_residual_gate(s, layer.post_feedforward_layernorm(b, out_dtype=torch.float32))
 
     def final_norm(self, model: DecoderModel, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -69,6 +72,6 @@ class TorchBackend(Backend):
     def logits(self, model: DecoderModel, y: torch.Tensor) -> torch.Tensor:
         cap = model.config.final_logit_softcapping
         # Vocab-parallel head: gather every rank's block (exact), drop the padding past V.
-        x = model.parallel.gather_last_dim(model.lm_head(y))[..., : model.config.vocab_size]
+        x = model.parallel.gather_last_dim(self.products.linear(model.lm_head, y))[..., : model.config.vocab_size]
         x = x.float() * model.config.output_multiplier
         return cap * torch.tanh(x / cap)

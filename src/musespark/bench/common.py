@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import env
 from ..cpu_features import AVX2_ONLY_ENV, cpu_model
 
 PERCENTILES = (50, 90, 99)
@@ -87,7 +88,7 @@ def machine() -> dict[str, Any]:
         info["kernel_path"] = kernels.kernel_path() if kernels._tried else "not loaded"
         info["batch_invariant"] = kernels.batch_invariant()
         chosen = kernels.expert_panels_chosen  # None: no cpu backend was made in this run
-        info["expert_panels"] = kernels.expert_panels_setting() + (
+        info["expert_panels"] = env.expert_panels() + (
             "" if chosen is None else ": packed" if chosen else ": not packed"
         )
     return info

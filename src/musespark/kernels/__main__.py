@@ -2,17 +2,9 @@
 
 import time
 
-from .. import hugepages
+from .. import env, hugepages
 from ..cpu_features import detected_isa, isa
-from .cpu import (
-    EXPERT_PANELS_ENV,
-    amx_unusable_reason,
-    batch_invariant,
-    cache_dir,
-    expert_panels_setting,
-    kernel_path,
-    native_ops,
-)
+from .cpu import amx_unusable_reason, batch_invariant, cache_dir, kernel_path, native_ops
 
 start = time.perf_counter()
 ops = native_ops()
@@ -22,12 +14,12 @@ print(
 )
 print(
     f"ISA: detected {detected_isa()}, allowed {isa()}; kernel path {kernel_path()}; "
-    f"batch invariant {'yes' if batch_invariant() else 'no (MUSESPARK_BATCH_INVARIANT=0)'}"
+    f"batch invariant {'yes' if batch_invariant() else f'no ({env.BATCH_INVARIANT}=0)'}"
 )
 if amx_unusable_reason():
     print(f"AMX tiles unused: {amx_unusable_reason()}")
 print(
-    f"expert panels (avx512_bf16 path): {EXPERT_PANELS_ENV}={expert_panels_setting()} "
+    f"expert panels (avx512_bf16 path): {env.EXPERT_PANELS}={env.expert_panels()} "
     "(auto: packed when the copy fits in a quarter of the available memory)"
 )
 print(f"huge pages for the weights: {hugepages.describe()}")

@@ -32,6 +32,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .. import hugepages
+from .. import env, hugepages
 from ..cpu_features import cpu_flags, cpu_model, isa
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = sorted(_CSRC.glob("*/*.cpp"))
 _HEADERS = sorted(_CSRC.glob("*/*.h"))
+_THRESHOLDS = _CSRC / "common" / "thresholds.h"
 _LOCK = threading.Lock()
 _ops: Any = None
 _tried = False
@@ -62,13 +64,20 @@ _amx_reason = ""  # why an AMX CPU runs the avx512_bf16 path ("" when it does no
 
 
 def _disabled_because() -> str:
-    if os.environ.get("MUSESPARK_CPU_KERNELS", "1") == "0":
-        return "MUSESPARK_CPU_KERNELS=0"
+    if not env.cpu_kernels_enabled():
+        return f"{env.CPU_KERNELS}=0"
     if not (platform.system() == "Linux" and platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_flags()):
         return "they need Linux on an x86-64 CPU with AVX2 and FMA"
     if isa() == "none":
-        return "MUSESPARK_ISA=none"
+        return f"{env.ISA}=none"
     return ""
+
+
+def thresholds() -> dict[str, int]:
+    """The CPU plan's row-count thresholds, by their C++ names (csrc/common/thresholds.h: the
+    table the kernels compile in), read from the source, so both sides hold the same numbers."""
+    found = re.findall(r"^constexpr int64_t (k\w+) = (\d+);", _THRESHOLDS.read_text(), re.MULTILINE)
+    return {name: int(value) for name, value in found}
 
 
 def kernel_path() -> str:
@@ -81,30 +90,16 @@ def kernel_path() -> str:
     return "none" if ops is None else str(ops.isa_path())
 
 
-BATCH_INVARIANT_ENV = "MUSESPARK_BATCH_INVARIANT"
-
-
 def batch_invariant() -> bool:
     """Whether a request's tokens must not depend on its batch (MUSESPARK_BATCH_INVARIANT,
     default 1). 0 lets prompt-sized bf16 products use oneDNN's GEMM on AVX-512-BF16/AMX
     CPUs (kernels/csrc/common/isa.h): faster prefill; a decode row batched with a prompt may then
     round differently than alone (vLLM's batch invariance is opt-in the same way)."""
-    value = os.environ.get(BATCH_INVARIANT_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{BATCH_INVARIANT_ENV}={value!r}: expected 0 or 1")
-    return value == "1"
+    return env.batch_invariant()
 
 
-EXPERT_PANELS_ENV = "MUSESPARK_EXPERT_PANELS"
 # What this process's last cpu backend chose (`expert_panels`), for the benchmarks' JSON lines.
 expert_panels_chosen: bool | None = None
-
-
-def expert_panels_setting() -> str:
-    value = os.environ.get(EXPERT_PANELS_ENV, "auto")
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{EXPERT_PANELS_ENV}={value!r}: expected 0, 1 or auto")
-    return value
 
 
 def expert_panels(expert_bytes: int) -> bool:
@@ -115,7 +110,7 @@ def expert_panels(expert_bytes: int) -> bool:
     (benchmarks/RESULTS.md, at 965088c), at the cost of holding the experts, most of a MoE
     model, twice. Decided once per backend, so a backend's rows never change kernel."""
     global expert_panels_chosen
-    value = expert_panels_setting()
+    value = env.expert_panels()
     if value != "auto":
         chosen = value == "1"
     else:

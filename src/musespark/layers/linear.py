@@ -1,7 +1,13 @@
-"""The `Linear` module: a bias-free linear layer that holds a weight format (`quant/`).
+"""The `Linear` module: a bias-free linear layer that holds a weight format (`quant/`), and
+`Products`: who computes the products of a step's linears and experts.
 
 `linear(x, w) = x @ w^T`, the torch reference product the formats multiply with, lives below
 the formats (`quant/gemm.py`); it is re-exported here for the layers that call it directly.
+
+The layers that multiply (`DenseMlp`, `SparseMoeBlock`, `Experts`) take a `Products`; the
+default, `REFERENCE`, asks each module's format with the reference product. A backend passes
+its own: the cpu backend's answers some products natively (backends/cpu_plan.py), the same
+contract with other summation orders, so the layers' code is the same for every backend.
 """
 
 from __future__ import annotations
@@ -14,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checkpoint.names import Shard, TensorSpec
-from ..quant.gemm import linear
+from ..quant.gemm import Gemm, linear
 
 if TYPE_CHECKING:
     from ..parallel.state import ParallelContext
     from ..quant.format import LinearFormat
 
-__all__ = ["Linear", "linear"]
+__all__ = ["REFERENCE", "Linear", "Products", "linear"]
 
 
 class Linear(nn.Module):
@@ -64,3 +70,27 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={type(self.format).__name__}"
+
+
+class Products:
+    """The products of a step: `linear(module, x)` for a `Linear`, `expert(...)` for one expert
+    of an `Experts` module. These ask the module's format, with `gemm` as the float product
+    (None: the format's own, the reference `linear`). Subclasses answer some products another
+    way and fall back to these; a tensor-parallel row slice (`reduce`) always keeps its module's
+    own fp32 sum."""
+
+    gemm: Gemm | None = None
+
+    def linear(self, module: Linear, x: torch.Tensor) -> torch.Tensor:
+        if module.reduce is not None or self.gemm is None:
+            return module(x)
+        return module.format.apply(module, x, self.gemm)
+
+    def expert(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool) -> torch.Tensor:
+        """Expert `expert` (local index) of `module` (an `Experts`) on x [n, Hm] (ExpertsFormat.apply)."""
+        if self.gemm is None:
+            return module.format.apply(module, expert, x, partial)
+        return module.format.apply(module, expert, x, partial, self.gemm)
+
+
+REFERENCE = Products()

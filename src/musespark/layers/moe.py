@@ -17,7 +17,7 @@ from torch import nn
 from ..checkpoint.names import Shard, TensorSpec
 from ..config import ModelConfig
 from ..parallel.state import SINGLE
-from .linear import Linear, linear
+from .linear import REFERENCE, Linear, Products, linear
 from .norm import RMSNorm, input_scaled_rms_norm
 
 if TYPE_CHECKING:
@@ -99,20 +99,22 @@ class Experts(nn.Module):
             raise NotImplementedError(f"{type(self.format).__name__} experts cannot be parallel yet")
         return {n: replace(spec, shard=self._shards.get(n)) for n, spec in specs.items()}
 
-    def forward(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """u [T, Hm] model dtype, weights/ids [T, k] -> weighted sum [T, Hm] fp32.
+    def forward(
+        self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mm: Products = REFERENCE
+    ) -> torch.Tensor:
+        """u [T, Hm] model dtype, weights/ids [T, k] -> weighted sum [T, Hm] fp32, the products by `mm`.
 
         Assignments are sorted by expert; each expert with tokens runs one GEMM pair over
         all of them. Each token's k contributions are then summed in increasing expert id,
         one add at a time (the reference's accumulation order).
         """
-        z = self._grouped(u, weights, ids)
+        z = self._grouped(u, weights, ids, mm)
         out = z[:, 0]
         for r in range(1, ids.shape[1]):
             out = out + z[:, r]
         return out
 
-    def _grouped(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, u: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, mm: Products) -> torch.Tensor:
         """Weighted, post-normed expert outputs [T, k, Hm] fp32, slot r of token t holding
         its r-th smallest expert."""
         T, k = ids.shape
@@ -128,7 +130,7 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             if first <= expert < first + self.local_experts:
-                ys.append(self.format.apply(self, expert - first, x[start : start + n], partial))  # [n, Hm]
+                ys.append(mm.expert(self, expert - first, x[start : start + n], partial))  # [n, Hm]
             else:  # another EP rank's expert: contributes nothing here (a zero row stays zero)
                 ys.append(x.new_zeros(n, self.hidden))
             start += n
@@ -161,11 +163,11 @@ class SparseMoeBlock(nn.Module):
             cfg.moe_hidden_size, cfg.hidden_size, formats.linear(prefix + "post_expert_proj")
         )  # unpooler
 
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
+    def forward(self, f: torch.Tensor, mm: Products = REFERENCE) -> torch.Tensor:
         weights, ids = self.gate(f)
-        u = self.pre_expert_norm(self.pre_expert_proj(f))  # [T, Hm], rounded to model dtype
-        y = self.experts(u, weights, ids)  # [T, Hm] fp32
-        return self.post_expert_proj(y.to(f.dtype))
+        u = self.pre_expert_norm(mm.linear(self.pre_expert_proj, f))  # [T, Hm], rounded to model dtype
+        y = self.experts(u, weights, ids, mm)  # [T, Hm] fp32
+        return mm.linear(self.post_expert_proj, y.to(f.dtype))
 
 
 class DenseMlp(nn.Module):
@@ -183,5 +185,5 @@ class DenseMlp(nn.Module):
         self.up_proj = Linear(H, n, formats.linear(prefix + "up_proj"), cols)
         self.down_proj = Linear(n, H, formats.linear(prefix + "down_proj"), rows, reduce=parallel)
 
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(f)) * self.up_proj(f))
+    def forward(self, f: torch.Tensor, mm: Products = REFERENCE) -> torch.Tensor:
+        return mm.linear(self.down_proj, F.silu(mm.linear(self.gate_proj, f)) * mm.linear(self.up_proj, f))

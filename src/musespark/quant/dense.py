@@ -10,15 +10,15 @@ from torch import nn
 
 from ..checkpoint.names import TensorSpec
 from .format import ExpertsFormat, LinearFormat
-from .gemm import linear
+from .gemm import Gemm, linear
 
 
 class DenseLinear(LinearFormat):
     def tensors(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         return {"weight": TensorSpec((out_features, in_features))}
 
-    def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, module.weight)
+    def apply(self, module: nn.Module, x: torch.Tensor, gemm: Gemm | None = None) -> torch.Tensor:
+        return (gemm or linear)(x, module.weight)
 
 
 class DenseExperts(ExpertsFormat):
@@ -28,12 +28,15 @@ class DenseExperts(ExpertsFormat):
             "down_proj": TensorSpec((num_experts, hidden, intermediate)),
         }
 
-    def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
-        gate, up = linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, Im] each
+    def apply(
+        self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False, gemm: Gemm | None = None
+    ) -> torch.Tensor:
+        mm = gemm or linear
+        gate, up = mm(x, module.gate_up_proj[expert]).chunk(2, dim=-1)  # [n, Im] each
         h = F.silu(gate) * up
         if partial:
             return F.linear(h.float(), module.down_proj[expert].float())
-        return linear(h, module.down_proj[expert])
+        return mm(h, module.down_proj[expert])
 
 
 @dataclass(frozen=True)

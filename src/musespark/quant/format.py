@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.names import TensorSpec
+from .gemm import Gemm
 
 
 def register_tensors(module: nn.Module, specs: dict[str, TensorSpec]) -> None:
@@ -31,8 +32,9 @@ class LinearFormat(ABC):
         register_tensors(module, self.tensors(out_features, in_features))
 
     @abstractmethod
-    def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] in the activation dtype -> [..., out] in x's dtype."""
+    def apply(self, module: nn.Module, x: torch.Tensor, gemm: Gemm | None = None) -> torch.Tensor:
+        """x [..., in] in the activation dtype -> [..., out] in x's dtype. `gemm`: the product of
+        x with a float weight (default `quant/gemm.py` `linear`), where the format makes one."""
 
 
 class ExpertsFormat(ABC):
@@ -48,10 +50,12 @@ class ExpertsFormat(ABC):
         register_tensors(module, self.tensors(num_experts, intermediate, hidden))
 
     @abstractmethod
-    def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+    def apply(
+        self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False, gemm: Gemm | None = None
+    ) -> torch.Tensor:
         """Expert `expert`'s SwiGLU: x [n, Hm] (activation dtype) -> down(silu(gate x) * up x) [n, Hm]
         in x's dtype; `partial` (a tensor-parallel slice of Im): the down product in fp32,
-        unrounded, to be summed over the ranks before rounding."""
+        unrounded, to be summed over the ranks before rounding. `gemm` as for `LinearFormat`."""
 
 
 class WeightFormats:

@@ -24,7 +24,7 @@ from ..checkpoint.loader import find_weight_files
 from ..checkpoint.names import TensorSpec, to_relative
 from ..checkpoint.safetensors_file import SafetensorsFile
 from .format import ExpertsFormat, LinearFormat
-from .gemm import linear
+from .gemm import Gemm, linear
 from .nvfp4_math import BLOCK, dequantize, quantize_activation, unscaled_weight
 
 MODES = ("weight-only", "w4a4")
@@ -71,9 +71,9 @@ class Nvfp4Linear(LinearFormat):
         """The decoded weight [N, K] in fp32."""
         return dequantize(module.weight, module.weight_scale, module.weight_scale_2)
 
-    def apply(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, module: nn.Module, x: torch.Tensor, gemm: Gemm | None = None) -> torch.Tensor:
         if self.mode == "weight-only":
-            return linear(x, self.dequantized(module).to(x.dtype))
+            return (gemm or linear)(x, self.dequantized(module).to(x.dtype))
         xq, _ = quantize_activation(x, module.input_scale)
         alpha = module.input_scale.float() * module.weight_scale_2.float()
         w = unscaled_weight(module.weight, module.weight_scale)
@@ -129,12 +129,15 @@ class Nvfp4Experts(ExpertsFormat):
         )
         return gate_up, down
 
-    def apply(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+    def apply(
+        self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool = False, gemm: Gemm | None = None
+    ) -> torch.Tensor:
         if self.mode == "weight-only":
+            mm = gemm or linear
             gate_up, down = (w.to(x.dtype) for w in self.dequantized(module, expert))
-            gate, up = linear(x, gate_up).chunk(2, dim=-1)
+            gate, up = mm(x, gate_up).chunk(2, dim=-1)
             h = F.silu(gate) * up
-            return F.linear(h.float(), down.float()) if partial else linear(h, down)
+            return F.linear(h.float(), down.float()) if partial else mm(h, down)
         a1 = module.gate_up_proj_input_scale.float().max()  # one activation scale for all experts
         a2 = module.down_proj_input_scale.float().max()
         xq, _ = quantize_activation(x, a1)

@@ -22,7 +22,8 @@ rounded to nearest-even explicitly (`_common.round_bf16`) before it is stored.
 from __future__ import annotations
 
 import importlib
-import os
+
+from ... import env
 
 
 def available() -> bool:
@@ -36,7 +37,7 @@ def available() -> bool:
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env.triton_interpreting()
 
 
 __all__ = ["available", "interpreting"]

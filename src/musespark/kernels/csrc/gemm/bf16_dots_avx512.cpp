@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <immintrin.h>
 
+#include "../common/thresholds.h"
 #include "gemm_kernels.h"
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
@@ -26,7 +27,7 @@ constexpr int kMR = 6;
 // of the thread's slice passes over them; the weights are re-read once per chunk.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int64_t kRowAhead = 4096;  // bytes prefetched ahead in a one-row-of-x product
-constexpr int64_t kPrefetchMaxRows = 64;  // products of up to this many rows prefetch the next tile
+using musespark_rows::kPrefetchMaxRows;  // common/thresholds.h
 
 // Prefetches the weight line at p (the dot-product kernel's; the panel kernel below leaves
 // its sequential stream to the hardware). `once`: no later tile of this call reads it again,

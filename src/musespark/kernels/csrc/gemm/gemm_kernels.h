@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include "../common/thresholds.h"
+
 namespace musespark_avx512 {
 
 // y[m * ldy + n] = sum_k x[m, k] * w[n, k] for m in [0, M), n in [n0, n1); x [M, K] and
@@ -59,7 +61,7 @@ void tiles_end();
 // the tile instructions (common/amx_tiles.h), the same bits as the hardware's on inputs
 // without denormals. With packed panels, rows are taken kSuperRows at a time against every
 // panel of the call.
-constexpr int64_t kSuperRows = 256;
+using musespark_rows::kSuperRows;  // common/thresholds.h
 void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                  int64_t ldy, uint32_t* pk, const uint32_t* packed);
 void bf16_panels_emulated(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,

@@ -3,6 +3,7 @@
 // (gemm/avx2_tiles.h); the weight tiles of all jobs are split across the threads by cost,
 // and a thread done with its share takes tiles from the others'. Where a tile runs never
 // changes what it computes.
+#include "../common/thresholds.h"
 #include "jobs.h"
 
 #include <ATen/ATen.h>
@@ -172,7 +173,7 @@ class TileScope {
 // first done takes the last chunks of the others': TileRange).
 // Without batch invariance (common/isa.h), bf16 products of at least this many rows go to
 // oneDNN's bf16 GEMM (at::mm; AMX tiles where the CPU has them) instead of bf16_dots.
-constexpr int64_t kOnednnMinRows = 64;
+using musespark_rows::kOnednnMinRows;  // common/thresholds.h
 
 // y = bf16(x @ w^T) by at::mm, widened into the fp32 rows of y (the callers round every
 // bf16 product's output to bf16, so one rounding here changes nothing they keep).

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../common/dispatch.h"
+#include "../common/thresholds.h"
 #include "gemm_kernels.h"
 
 namespace musespark_gemv {
@@ -22,7 +23,7 @@ namespace musespark_gemv {
 constexpr int kNR = 4;
 // Products of at most this many rows on the fp32 tiles read the weight as far-apart streams
 // (gemm/avx2_tiles.h stream_rows).
-constexpr int64_t kStreamMaxRows = 3;
+using musespark_rows::kStreamMaxRows;  // common/thresholds.h
 
 // One product y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; w is bf16 or fp32, or
 // NVFP4 (`scales` set; nvfp4/nvfp4_linear.cpp states the numerics): w = codes uint8 [N, K/2],
@@ -62,7 +63,7 @@ struct Job {
 
 // A tile of job j costs K (kTileFixedRows + M) per weight row, its weight reads counted as
 // that many rows of x (gemm/jobs.cpp split_tiles; callers that split whole jobs count the same).
-constexpr int64_t kTileFixedRows = 8;
+using musespark_rows::kTileFixedRows;  // common/thresholds.h
 
 // Runs the jobs in one parallel region (one thread wake-up, one stream of weight tiles split
 // across the threads). Each job's y rows are written once; jobs may share x.
