@@ -48,3 +48,26 @@ def test_kernel_files_are_one_level_below_csrc_and_short():
         assert p.parent.parent == CSRC, f"{p.relative_to(CSRC)}: kernel files sit in csrc/<operation>/"
         lines = p.read_text().count("\n")
         assert lines <= 600, f"{p.relative_to(CSRC)}: {lines} lines (at most 600 per C++ file)"
+
+
+# Umbrella headers that parse most of torch (and, for the first three, pybind11 and torch's
+# Python bindings): every file that includes one costs seconds more to compile. The files
+# include what they use: <ATen/core/Tensor.h>, <ATen/Parallel.h>, <ATen/ops/NAME.h> per at::
+# function, <c10/...>.
+HEAVY_HEADERS = ("torch/extension.h", "torch/python.h", "torch/all.h", "torch/torch.h", "ATen/ATen.h", "pybind11/")
+
+
+def test_kernel_files_include_no_umbrella_headers():
+    for p in _files():
+        for line in p.read_text().splitlines():
+            if line.startswith("#include"):
+                assert not any(h in line for h in HEAVY_HEADERS), f"{p.relative_to(CSRC)}: {line}"
+
+
+def test_only_registering_files_include_the_registration_headers():
+    for p in _files():
+        text = p.read_text()
+        if "#include <torch/library.h>" in text:
+            assert "TORCH_LIBRARY" in text, f"{p.relative_to(CSRC)}: <torch/library.h> without a TORCH_LIBRARY block"
+        if "#include <torch/custom_class.h>" in text:
+            assert "class_<" in text, f"{p.relative_to(CSRC)}: <torch/custom_class.h> without a custom class"

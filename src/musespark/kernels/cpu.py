@@ -193,17 +193,31 @@ def unavailable_reason() -> str:
 
 # Tuples: torch's builder appends to the lists it is given (copies are passed).
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
+# GCC only: collect its garbage from 512 MiB of heap on (the default starts at 128 MiB), about
+# 10 % less compile time for the files that parse torch's headers, at ~25 % more memory per
+# compiler process. GCC documents that these parameters have no effect on the code generated.
+_GCC_CFLAGS = ("--param=ggc-min-heapsize=524288",)
 _LDFLAGS = ("-fopenmp",)
 _LIBRARY = "musespark_cpu.so"
 
 
-def _compiler_id() -> str:
+def _compiler_version() -> tuple[str, str]:
     cxx = os.environ.get("CXX", "c++")
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
+    return cxx, out
+
+
+def _compiler_id() -> str:
+    cxx, out = _compiler_version()
     return f"{cxx}: {out.splitlines()[0] if out else '?'}"
+
+
+def _cflags() -> tuple[str, ...]:
+    """_CFLAGS, and _GCC_CFLAGS when the compiler is GCC (its --version names the FSF)."""
+    return _CFLAGS + (_GCC_CFLAGS if "Free Software Foundation" in _compiler_version()[1] else ())
 
 
 def build_key() -> str:
@@ -213,7 +227,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for part in (
         *(p.read_bytes() for p in (*_SOURCES, *_HEADERS)),
-        " ".join(_CFLAGS + _LDFLAGS).encode(),
+        " ".join(_cflags() + _LDFLAGS).encode(),
         _compiler_id().encode(),
         sys.version.encode(),
         sys.implementation.cache_tag.encode(),
@@ -369,7 +383,7 @@ def _compile() -> Any:
             name="musespark_cpu",
             sources=[str(p) for p in _SOURCES],
             build_directory=str(staging),
-            extra_cflags=list(_CFLAGS),
+            extra_cflags=list(_cflags()),
             extra_ldflags=list(_LDFLAGS),
             is_python_module=False,
             verbose=False,

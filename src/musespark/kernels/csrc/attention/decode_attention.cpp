@@ -17,7 +17,8 @@
 // vdpbf16ps (each product exact, fp32 sums in another fixed order), a 16-lane softmax, and
 // P V by fp32 FMAs in key order, normalized at the end. Each row's result still depends on
 // nothing else in the batch.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

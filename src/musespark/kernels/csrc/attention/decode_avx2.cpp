@@ -3,7 +3,7 @@
 // cache rows widened in registers.
 #include "decode_avx2.h"
 
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <algorithm>

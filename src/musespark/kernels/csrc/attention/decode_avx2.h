@@ -1,7 +1,7 @@
 // Paged decode attention on AVX2 + FMA (attention/decode_avx2.cpp): the kernel every path
 // runs for the sequences the dispatch table's decode_attention does not take (common/dispatch.h).
 #pragma once
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 

@@ -14,7 +14,7 @@
 // Each row is computed alone over its keys in order, 32 at a time from a multiple of 16
 // (the online softmax's max rises once per 32 keys), so its result does not depend on the
 // other rows of the chunk.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
 // Fused attention-side blocks `attn_in` and `attn_out` (see blocks/block.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "../common/ops.h"

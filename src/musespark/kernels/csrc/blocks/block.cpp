@@ -1,7 +1,7 @@
 // The fused blocks' shared pieces that are not inline (blocks/block.h states them).
 #include "block.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <vector>

@@ -19,7 +19,7 @@
 // to bf16 where PyTorch would round it. Every row is computed by itself in a fixed order
 // (gemm/jobs.h, norm/rows.h), so a token's result never depends on its batch.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include "../common/simd.h"

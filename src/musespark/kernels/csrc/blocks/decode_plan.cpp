@@ -12,7 +12,8 @@
 // around them cost ~2 ms more in Python: argument conversion and dispatch (5-10 µs per call)
 // and the model's and the backend's glue, all slow with the caches cold from the weights,
 // while the other threads wait (benchmarks/RESULTS.md, at e4f6249). Here that is one call.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/embedding.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 

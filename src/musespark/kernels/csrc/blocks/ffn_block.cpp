@@ -1,5 +1,5 @@
 // Fused feed-forward blocks `ffn_dense` and `ffn_moe` (see blocks/block.h).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "../common/dispatch.h"

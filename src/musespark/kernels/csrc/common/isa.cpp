@@ -2,7 +2,6 @@
 // path: `set_isa`, `isa_path`, `set_batch_invariant`.
 #include "isa.h"
 
-#include <ATen/ATen.h>
 #include <cpuid.h>
 #include <torch/library.h>
 

@@ -3,7 +3,7 @@
 // are at their definitions: blocks/attn_block.cpp, blocks/ffn_block.cpp, norm/rms_norm.cpp,
 // attention/decode_attention.cpp).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 

@@ -1,7 +1,10 @@
 // The kept output blocks of common/pool.h.
 #include "pool.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/util/accumulate.h>
 
 #include <cstdlib>
 #include <mutex>

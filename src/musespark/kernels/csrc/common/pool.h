@@ -12,7 +12,7 @@
 // goes back to malloc. A prompt of any length reuses its layers' blocks from the second layer on.
 // Blocks are uninitialized, as at::empty's are. Thread-safe: a tensor may be freed anywhere.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstddef>
 

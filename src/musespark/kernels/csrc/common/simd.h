@@ -1,6 +1,6 @@
 // Shared AVX2 helpers of the CPU kernels.
 #pragma once
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -1,6 +1,6 @@
 // The ops' arguments that say how to multiply (gemm/jobs.h states them): prompt_rows and a
 // weight's packed panels, checked against the weight.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

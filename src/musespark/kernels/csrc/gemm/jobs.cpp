@@ -6,7 +6,9 @@
 #include "../common/thresholds.h"
 #include "jobs.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

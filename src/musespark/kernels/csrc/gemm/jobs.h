@@ -8,7 +8,7 @@
 // tiles (gemm/avx2_tiles.h). Every kernel computes each row alone in a fixed order, so a
 // row's result never depends on the other rows of its batch.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -8,7 +8,9 @@
 // Invariants: x is fp32 or bf16 [M, K]; w is bf16 or fp32 [N, K]; K % 8 == 0; the result
 // is [M, N] in x's dtype, rounded once from fp32 accumulators (8 lanes summed at the end:
 // a different order from MKL's, so fp32 results differ at rounding level).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tanh.h>
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>

@@ -5,7 +5,7 @@
 // out_dtype (bf16 or fp32), computed in fp32 with one rounding at the store:
 //   plain:        y = x * rsqrt(mean(x^2) + eps) * gain * scale
 //   input_scaled: v = x * gain; y = v * rsqrt(mean(v^2) + eps) * scale
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -1,7 +1,7 @@
 // Row-wise fp32 helpers shared by the CPU kernels. Each computes one row in a fixed order
 // (sum_squares below), so a row's result never depends on the rows around it.
 #pragma once
-#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 
 #include <cmath>
 

@@ -32,7 +32,8 @@
 // values), x in that path's order (per 32 elements: even of block a, even of block b, odd
 // of a, odd of b; a final odd block: its 8 even then 8 odd). Same products, same weight
 // values, a different fixed summation order (16 lanes).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "../gemm/jobs.h"
