@@ -47,3 +47,24 @@ def test_requests_are_independent_and_dropped():
     b.drop("r")
     assert b.allowance("r", 4) == 4
     assert b.allowance("r", 0) == 0
+
+
+def test_rests_next_foretells_a_step_without_drafts():
+    """Before a step in which the request has no drafts, `rests_next` says whether it is backing
+    off and gets no drafts the step after (the engine then withholds that step's rows from the
+    proposer, and need not export them): probes rejected and accepted, back-offs ended and begun."""
+    b = Backoff()
+    n, probes, rests = 4, 0, 0
+    for _ in range(400):
+        if n:  # a step verifying n drafts: full drafts are rejected, every third probe is accepted
+            probe = b.backing_off("r")
+            probes += probe
+            b.record("r", n, n if probe and probes % 3 == 0 else 0)
+            n = b.allowance("r", 4)
+        else:
+            resting = b.rests_next("r")
+            n = b.allowance("r", 4)
+            assert resting == (b.backing_off("r") and n == 0)
+            rests += resting
+    assert probes > 6 and rests > 200
+    assert not Backoff().rests_next("new")  # a new request drafts

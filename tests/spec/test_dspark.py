@@ -453,6 +453,41 @@ def test_proposer_positions_and_rollback():
     assert set(prop._seqs) == {"s"}
 
 
+def test_withheld_rows_are_a_gap_like_a_prefix_hit():
+    """Steps whose rows the engine withholds (hidden=None: a request backing off between probes)
+    compute no context row and no block; their positions become one gap, and the probe after
+    them drafts exactly what a request whose positions were skipped in one jump drafts."""
+    target = random_target()
+    draft = random_draft(make_cfg(), seed=10)
+    ids = torch.randint(3, 64, (30,), generator=torch.Generator().manual_seed(11)).tolist()
+    with torch.no_grad():
+        _, aux = target_forward_with_aux(
+            target, torch.tensor(ids), torch.arange(30), AttentionContext.for_prompts([30]), (0, 2, 3)
+        )
+    rows, blocks = [], SpyDraft(draft).calls
+    features = draft.context_features
+
+    def counted(x):
+        rows.append(x.shape[0])
+        return features(x)
+
+    draft.context_features = counted
+    backing_off, jumped = DSparkProposer(draft, target, 4), DSparkProposer(draft, target, 4)
+    for prop in (backing_off, jumped):
+        prop.propose([ProposalRequest("r", ids[:21], 0, aux[:20], 4)])  # prefill, then a draft at 20
+    rows.clear()
+    blocks.clear()
+    for p in range(20, 26):  # decode steps computing position p, rows withheld, no drafts
+        assert backing_off.propose([ProposalRequest("r", ids[: p + 2], p, None, 0)])[0].token_ids == []
+    assert rows == [] and blocks == []  # nothing computed
+    assert backing_off._seqs["r"].gaps == [(20, 25)]  # one range, however many steps
+    # the step before the probe hands its row over (position 26), the probe drafts at 27
+    a = backing_off.propose([ProposalRequest("r", ids[:28], 26, aux[26:27], 1)])
+    b = jumped.propose([ProposalRequest("r", ids[:28], 26, aux[26:27], 1)])
+    assert rows == [1, 1] and len(a[0].token_ids) == 1 and a[0].token_ids == b[0].token_ids
+    assert backing_off._seqs["r"].gaps == jumped._seqs["r"].gaps == [(20, 26)]
+
+
 def test_gap_positions_are_never_attended():
     """A request first seen at context_start > 0 (a target prefix-cache hit): its drafts equal
     the monolithic reference over the known positions only."""

@@ -661,37 +661,49 @@ def test_bench_latency_reports_mean_acceptance_length(tmp_path):
 
 
 class AuxRecorder(NgramProposer):
-    """ngram drafts, plus a record of the aux rows the engine hands over (the dspark contract)."""
+    """ngram drafts, plus a record of the aux rows the engine hands over (the dspark contract),
+    and of the positions whose rows it withheld (a request backing off that drafts nothing next
+    step: `backoff` is the engine's)."""
 
     aux_layers = (0, 2)
 
-    def __init__(self):
+    def __init__(self, backoff):
         super().__init__(3, 1, 3)
+        self.backoff = backoff
         self.rows = {}  # request id -> {position: row}
+        self.withheld = {}  # request id -> {position}
         self.seen_tokens = {}
 
     def propose(self, requests):
         for r in requests:
-            assert r.hidden is not None and r.hidden.dtype == torch.float32 and r.hidden.shape[1] == 2 * 256
             rows = self.rows.setdefault(r.request_id, {})
+            withheld = self.withheld.setdefault(r.request_id, set())
             for p in [p for p in rows if p >= r.context_start]:  # invalid now: replaced below
                 del rows[p]
+            withheld -= {p for p in withheld if p >= r.context_start}
+            self.seen_tokens[r.request_id] = list(r.token_ids)
+            if r.hidden is None:  # in decode: the step computed [context_start, anchor)
+                assert r.num_tokens == 0 and self.backoff.backing_off(r.request_id)
+                withheld.update(range(r.context_start, len(r.token_ids) - 1))
+                continue
+            assert r.hidden.dtype == torch.float32 and r.hidden.shape[1] == 2 * 256
             for j in range(r.hidden.shape[0]):
                 rows[r.context_start + j] = r.hidden[j].clone()
             end = r.context_start + r.hidden.shape[0]  # up to the anchor, excluded (a prefill chunk: before it)
             assert end == len(r.token_ids) - 1 if r.num_tokens else end <= len(r.token_ids) - 1
-            self.seen_tokens[r.request_id] = list(r.token_ids)
         return super().propose(requests)
 
 
 def test_aux_streams_reach_the_proposer():
     """A proposer with aux_layers gets, for every position its request validly computed
     (prefill chunks, accepted drafts; rejected ones replaced), the fp32 streams after those
-    layers: equal to the streams of one full forward over the final tokens."""
+    layers: equal to the streams of one full forward over the final tokens. The exception:
+    the steps of a request backing off that drafts nothing next step, whose rows are withheld
+    (engine/spec_decode/speculator.py); a draft always has the row just before its anchor."""
     from musespark.layers.attention import AttentionContext
 
     llm = LLM(dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=16, speculative_config=NGRAM)
-    recorder = AuxRecorder()
+    recorder = AuxRecorder(llm.engine.core.speculator.backoff)
     llm.engine.core.speculator.proposer = recorder
     llm.engine.core.runner.aux_layers = recorder.aux_layers
     texts = ["the quick brown fox. the quick brown fox. the quick", "one two three one two three one two"]
@@ -708,7 +720,8 @@ def test_aux_streams_reach_the_proposer():
                 AttentionContext.for_prompts([n]),
                 aux_layers=recorder.aux_layers,
             )
-        rows = recorder.rows[rid]
-        assert sorted(rows) == list(range(n))
-        got = torch.stack([rows[p] for p in range(n)])
-        assert torch.allclose(got, aux, atol=1e-4, rtol=1e-4)
+        rows, withheld = recorder.rows[rid], recorder.withheld[rid]
+        assert sorted([*rows, *withheld]) == list(range(n))
+        given = sorted(rows)
+        got = torch.stack([rows[p] for p in given])
+        assert torch.allclose(got, aux[given], atol=1e-4, rtol=1e-4)

@@ -205,7 +205,7 @@ class EngineCore:
             if self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("scheduler made no progress with nothing running (KV cache too small?)")
             return []
-        out = self.runner.execute(batch)
+        out = self.runner.execute(batch, export_aux=self.speculator is not None and self.speculator.needs_aux(batch))
         self.num_steps += 1
         computed_before = [r.num_computed_tokens for r in batch.requests]
         num_out_before = [len(r.output_token_ids) for r in batch.requests]

@@ -135,7 +135,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     # Speculative decoding: per request that had drafts, its accepted drafts then one more
     # token, and (if asked) their logprobs; `aux` [T, len(aux_layers) * H] fp32 is the
-    # step's exported residual streams, `first_row` each request's first row in it.
+    # step's exported residual streams (None when it exported none), `first_row` each
+    # request's first row in it.
     verified: dict[str, list[int]] = field(default_factory=dict)
     verified_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     aux: torch.Tensor | None = None
@@ -197,7 +198,10 @@ class ModelRunner:
         self.kv_caches = [slots.get(s) for s in self.layout.layer_slot]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def execute(self, batch: ScheduledBatch, export_aux: bool = True) -> ModelRunnerOutput:
+        """`export_aux`: export the proposer's `aux_layers` streams this step (False when no
+        request's rows feed the proposer; the model may then take a backend's whole-step decode
+        path, which exports nothing)."""
         inputs, sample_reqs, scored_reqs = self._inputs(batch)
         if self.broadcast is not None:  # tensor parallel: every rank runs the same model call
             self.broadcast(inputs)
@@ -208,7 +212,7 @@ class ModelRunner:
             request, first = scored_reqs[j]
             results.setdefault(j, []).extend(_prompt_logprobs(logits, request, first + lo))
 
-        logits = self.forward(inputs, score)
+        logits = self.forward(inputs, score, self.aux_layers if export_aux else ())
         for j, (request, first) in enumerate(scored_reqs):
             out.prompt_logprobs[request.request_id] = (first + 1, results.get(j, []))
         if self.last_aux is not None:
@@ -271,12 +275,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, inputs: StepInputs, score: Callable[[int, int, torch.Tensor], None] | None = None
+        self,
+        inputs: StepInputs,
+        score: Callable[[int, int, torch.Tensor], None] | None = None,
+        aux_layers: tuple[int, ...] = (),
     ) -> torch.Tensor | None:
         """One model call and its logits: [len(sample_rows), V] fp32 (None if no row samples);
         prompt-scoring logits go to `score(j, offset, logits)` slice by slice (bounding a
         [rows, V] tensor). Every rank of a tensor-parallel model runs this with the same
-        inputs (the collectives inside must match); only rank 0 passes `score`."""
+        inputs (the collectives inside must match); only rank 0 passes `score` and
+        `aux_layers` (the streams to keep in `last_aux`)."""
         device = self.model.device
         # ids, positions, then each KV group's slots and block table (rows padded to one width).
         parts, shapes = [inputs.ids, inputs.positions], [(len(inputs.ids),), (len(inputs.positions),)]
@@ -296,8 +304,8 @@ class ModelRunner:
             prompt_rows=_prompt_mask(inputs, device),
             max_position=max(inputs.positions, default=None),
         )
-        if self.aux_layers:  # a proposer reads these streams (rank 0 only; no collective involved)
-            hidden, self.last_aux = self.model(ids, positions, ctx, aux_layers=self.aux_layers)
+        if aux_layers:  # a proposer reads these streams (rank 0 only; no collective involved)
+            hidden, self.last_aux = self.model(ids, positions, ctx, aux_layers=aux_layers)
         else:
             hidden = self.model(ids, positions, ctx)
         par = self.model.parallel

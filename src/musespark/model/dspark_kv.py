@@ -5,10 +5,11 @@ the tensors are the runner's and the tables are the draft's KV group of the bloc
 (one budget with the target's K/V, freed and preempted with the request).
 
 Invariants of one request (`DraftSeq`): positions [0, length) hold target-derived context
-K/V, except its gaps (positions it was never given rows for, e.g. a prefix-cache hit of the
-target), which attention never reads. A block pass of Q queries at positions [P0, P0 + Q)
-(P0 = length) writes their K/V there as scratch, so the table must reach P0 + Q (the
-engine's draft group holds that lookahead); queries see [0, P0) and their block causally.
+K/V, except its gaps (positions it was never given rows for: a prefix-cache hit of the target,
+the steps a request spent between probes of its speculation back-off), which attention never
+reads. A block pass of Q queries at positions [P0, P0 + Q) (P0 = length) writes their K/V
+there as scratch, so the table must reach P0 + Q (the engine's draft group holds that
+lookahead); queries see [0, P0) and their block causally.
 Requests without gaps attend through the target's backend (`Backend.attention`, the paged
 attention path its own layers take; the torch reference `layers.attention.paged_attention`
 without one), the others through an explicit key list.
@@ -34,10 +35,14 @@ class DraftSeq:
     gaps: list[tuple[int, int]] = field(default_factory=list)
 
     def advance(self, start: int, n: int) -> None:
-        """Forget positions >= start, then hold [start, start + n); [length, start) becomes a gap."""
+        """Forget positions >= start, then hold [start, start + n); [length, start) becomes a gap
+        (joined to a gap ending at length: many steps without rows in a row make one range)."""
         self.gaps = [(lo, min(hi, start)) for lo, hi in self.gaps if lo < start]
         if start > self.length:
-            self.gaps.append((self.length, start))
+            if self.gaps and self.gaps[-1][1] == self.length:
+                self.gaps[-1] = (self.gaps[-1][0], start)
+            else:
+                self.gaps.append((self.length, start))
         self.length = start + n
 
     def known(self, end: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -14,6 +14,10 @@ ends the back-off (rate lifted to RATE, misses 0); one that is not doubles the i
 PROBE_MAX. Text nothing predicts then costs about a plain decode, and a run that becomes
 predictable again is found within `interval` steps. Outputs never depend on any of this:
 drafts only change speed.
+
+Between probes a request also stops feeding its proposer (speculator.py): the rows of a step
+after which it drafts nothing go nowhere, and `rests_next` says so before a step without
+drafts, so that the runner need not even export them.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ class Backoff:
             st.rate, st.interval, st.idle = max(st.rate, RATE), PROBE, 0
         elif probe:
             st.interval = min(2 * st.interval, PROBE_MAX)
+
+    def backing_off(self, request_id: str) -> bool:
+        st = self._state.get(request_id)
+        return st is not None and st.backing_off
+
+    def rests_next(self, request_id: str) -> bool:
+        """Before a step in which the request has no drafts: whether it is backing off and its
+        `allowance` after the step is 0 whatever the budget. (No drafts, no `record`: that
+        allowance adds 1 to `idle` and is 0 while `idle < interval`; keep the two in step.)"""
+        st = self._state.get(request_id)
+        return st is not None and st.backing_off and st.idle + 1 < st.interval
 
     def allowance(self, request_id: str, budget: int) -> int:
         """How many of `budget` drafts the request may have next step: all of them, or while

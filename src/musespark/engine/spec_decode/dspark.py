@@ -16,9 +16,11 @@ request whose context is still behind its last token (mid-prefill) gets no draft
 of all requests go through `fc` in one matmul, and each draft layer
 projects them in the same matmul as the blocks' rows (their K/V are stored before that layer's
 attention reads the cache); the block pass is batched over requests.
-Positions a request was never given rows for (context_start beyond what the proposer holds, e.g.
-a prefix-cache hit of the target) are masked out of the draft's attention: worse drafts, never
-wrong ones. A request needs `drop` when it finishes or is preempted.
+Positions a request was never given rows for (context_start beyond what the proposer holds: a
+prefix-cache hit of the target, or the steps between probes of a request backing off, given
+`hidden=None`) are masked out of the draft's attention: worse drafts, never wrong ones. Such a
+step costs nothing here (no context rows, no block pass). A request needs `drop` when it
+finishes or is preempted.
 
 `compute_confidence`: also compute the confidence head's rho per draft (kept in
 `last_confidence`; the Proposal has no field for it, and only adaptive verification uses it).

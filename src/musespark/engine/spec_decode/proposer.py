@@ -5,7 +5,9 @@ guesses the next tokens of each request. A proposer that reads the target's resi
 stream (dspark) names the decoder layers it needs in `aux_layers`; the runner then exports
 the fp32 stream after each of those layers (the tensor entering the next layer) for every
 token the target computed, and passes the rows of the valid (accepted or prefilled)
-positions in `ProposalRequest.hidden`.
+positions in `ProposalRequest.hidden` — except at the steps between probes of a request
+backing off (`speculator.py`), whose rows it withholds: a proposer takes positions it was
+never given rows for as a gap in its context.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class ProposalRequest:
     context_start: int  # position of hidden's first row; positions >= context_start that the
     #                     proposer saw before are invalid now (rejected drafts, preemption) and are replaced
     hidden: torch.Tensor | None  # [n, len(aux_layers) * H] fp32, positions [context_start, context_start + n),
-    #                              layers in ascending order; None when aux_layers is empty
+    #                              layers in ascending order; None when aux_layers is empty, or when the
+    #                              engine withholds the step's rows (a request backing off that drafts
+    #                              nothing next step): positions never given rows are a gap
     num_tokens: int  # propose at most this many (0: update state only, e.g. a prefill chunk)
     block_table: list[int] | None = None  # the proposer's KV group's block table (with `kv_spec`), read-only
 

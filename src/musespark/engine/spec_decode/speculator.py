@@ -16,8 +16,15 @@ max_tokens and max_model_len still hold if every draft is accepted. Requests mid
 get `num_tokens=0` (the proposer only updates its state).
 
 Back-off (`backoff.py`): a request whose drafts keep failing drafts only on probe steps,
-one token each, further and further apart; its proposer still sees every computed row.
-Outputs never depend on it (drafts only change speed).
+one token each, further and further apart. Invariant: the proposer is given a request's rows
+of a step unless the request is backing off and drafts nothing next step; the positions of
+those steps are a gap in its context (dspark masks them out of the draft's attention, as for
+a prefix-cache hit of the target; the runner keeps no stream past its step, so a probe does
+not catch up on them). So between probes a request costs its proposer nothing, and a draft
+always has the rows of the step just before it. `needs_aux` tells the core before a step
+whether any of its rows can be given (`Backoff.rests_next` foretells the withheld ones); a
+step in which none can exports no streams and runs as a plain decode step. Outputs never
+depend on any of this (drafts only change speed).
 
 Counters follow vLLM's spec_decode metrics: a draft = one request-step that verified >= 1
 draft token; accepted tokens count accepted drafts (not the bonus token); per position j,
@@ -108,6 +115,14 @@ class Speculator:
             ),
         )
 
+    def needs_aux(self, batch: ScheduledBatch) -> bool:
+        """Before `batch` runs: whether `after_step` may give the proposer any of its rows (not
+        when every request has no drafts this step and `Backoff.rests_next`)."""
+        if not self.proposer.aux_layers:
+            return False
+        drafts = batch.spec_token_ids or [()] * len(batch.requests)
+        return any(d or not self.backoff.rests_next(r.request_id) for r, d in zip(batch.requests, drafts))
+
     def after_step(
         self, batch: ScheduledBatch, out: ModelRunnerOutput, computed_before: list[int], finished: list[Request]
     ) -> None:
@@ -130,11 +145,11 @@ class Speculator:
             if request.status is not RequestStatus.RUNNING:
                 continue
             start = computed_before[i]
-            hidden = None
-            if out.aux is not None:
+            budget = self.backoff.allowance(request.request_id, self._budget(request))
+            hidden = None  # withheld while backing off with no drafts next step (see the module doc)
+            if out.aux is not None and (budget > 0 or not self.backoff.backing_off(request.request_id)):
                 row = out.first_row[request.request_id]
                 hidden = out.aux[row : row + request.num_computed_tokens - start]
-            budget = self.backoff.allowance(request.request_id, self._budget(request))
             table = None if self.draft_group is None else batch.block_tables[i][self.draft_group]
             asks.append(ProposalRequest(request.request_id, request.token_ids, start, hidden, budget, table))
             targets.append(request)
