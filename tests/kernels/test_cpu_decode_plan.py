@@ -77,8 +77,9 @@ class Decoder:
         twin.kv = [(k.clone(), v.clone()) for k, v in self.kv]
         return twin
 
-    def step(self, seqs: list[int], prompt_rows: list[bool] | None = None) -> torch.Tensor:
-        """The next row of each of `seqs` (all its uncomputed tokens) -> logits of each one's last row."""
+    def forward(self, seqs: list[int], prompt_rows: list[bool] | None = None, aux_layers: tuple[int, ...] = ()):
+        """The model over every uncomputed token of `seqs`; a sequence with several (drafts to
+        verify, appended to its ids) attends row by row, as the runner's verification rows do."""
         rows = [list(range(self.done[b], len(self.ids[b]))) for b in seqs]
         qsl = [0]
         for r in rows:
@@ -95,14 +96,22 @@ class Decoder:
             kv_caches=self.kv,
             groups=groups,
             layer_group=self.layer_group,
+            row_wise=[i for i, r in enumerate(rows) if len(r) > 1 and self.done[seqs[i]] > 0],
             prompt_rows=None if prompt_rows is None else torch.tensor(prompt_rows),
         )
         ids = torch.tensor([self.ids[b][p] for b, r in zip(seqs, rows) for p in r])
         with torch.inference_mode():
-            hidden = self.model(ids, pos, ctx)
+            out = self.model(ids, pos, ctx, aux_layers)
+        for b in seqs:
+            self.done[b] = len(self.ids[b])
+        return out, qsl
+
+    def step(self, seqs: list[int], prompt_rows: list[bool] | None = None) -> torch.Tensor:
+        """The next row of each of `seqs` (all its uncomputed tokens) -> logits of each one's last row."""
+        hidden, qsl = self.forward(seqs, prompt_rows)
+        with torch.inference_mode():
             logits = self.model.compute_logits(hidden[[q - 1 for q in qsl[1:]]])
         for b, row in zip(seqs, logits):
-            self.done[b] = len(self.ids[b])
             self.ids[b].append(int(row.argmax()))
         return logits
 
@@ -133,6 +142,52 @@ def test_the_plan_gives_the_layer_by_layer_bits(dtype, kernel_path):
         assert torch.equal(a, b), f"step {i}: largest difference {(a - b).abs().max()}"
     # The steps differ from each other (a plan stuck on stale inputs could not pass the above by luck).
     assert not torch.equal(plan[-1], plan[-2])
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_verification_rows_and_drafter_streams_take_the_plan(dtype, kernel_path):
+    """Speculative verification: sequences feed their last token and k drafts as rows that attend
+    row by row, beside a one-row sequence, and the drafter's streams are exported. The plan runs
+    these steps (one native call each) with the layer-by-layer bits: final rows, streams, and
+    the K/V a later step reads."""
+    model = _model(dtype, seed=2)
+    backend = model.backend
+    d = Decoder(model, [list(range(3, 12)), list(range(20, 26)), [40, 41]], steps=16)
+    for b in range(3):
+        d.step([b])
+    for _ in range(4):
+        d.step([0, 1, 2])
+    calls = []
+    run = backend.decode_plan.run
+    backend.decode_plan.run = lambda *a, **k: calls.append(1) or run(*a, **k)
+    whole = backend.plan
+    aux = (1, 3)
+    for k in (1, 3, 6):  # up to 15 rows: fp32 steps of more rows keep MKL (kFp32FusedMaxRows)
+        for b, first in ((0, 5), (2, 50)):  # drafts for sequences 0 and 2; 1 decodes one row
+            d.ids[b] += list(range(first, first + k))
+        twin = d.fork()
+        before = len(calls)
+        (y, streams), _ = d.forward([0, 1, 2], aux_layers=aux)
+        assert len(calls) == before + 1  # one native call for the whole step
+        backend.plan = replace(whole, whole_step=False)
+        try:
+            (want_y, want_streams), _ = twin.forward([0, 1, 2], aux_layers=aux)
+        finally:
+            backend.plan = whole
+        assert y.shape[0] == 2 * k + 3 and streams.shape == (2 * k + 3, len(aux) * model.config.hidden_size)
+        assert torch.equal(y, want_y), f"k={k}: largest difference {(y - want_y).abs().max()}"
+        assert torch.equal(streams, want_streams)
+        for x in (d, twin):  # every draft accepted, and one more token each
+            for b in range(3):
+                x.ids[b].append(60 + b)
+        got = d.step([0, 1, 2])
+        backend.plan = replace(whole, whole_step=False)
+        try:
+            want = twin.step([0, 1, 2])
+        finally:
+            backend.plan = whole
+        assert torch.equal(got, want)  # the K/V of every row went to the cache alike
 
 
 @needs_ops

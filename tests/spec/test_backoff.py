@@ -15,37 +15,57 @@ def run(b: Backoff, steps: int, accept: bool, budget: int = 4) -> list[int]:
     return allowed
 
 
-def test_a_new_request_drafts_fully_until_it_misses_twice():
+def back_off(b: Backoff) -> None:
+    """A new request whose first draft (one token) is rejected: it backs off."""
+    assert run(b, 1, accept=False) == [backoff.START] == [1]
+    assert b.backing_off("r")
+
+
+def test_a_new_request_starts_with_one_token_and_doubles_on_full_acceptance():
     b = Backoff()
-    assert run(b, 3, accept=True) == [4, 4, 4]
-    assert run(b, backoff.MISSES, accept=False) == [4] * backoff.MISSES
-    assert b.allowance("r", 4) == 0  # backing off now
+    assert run(b, 5, accept=True) == [1, 2, 4, 4, 4]  # capped by the step's budget
+    assert run(b, 2, accept=True, budget=8) == [8, 8]
+
+
+def test_partial_acceptance_keeps_halves_or_restarts_the_draft_size():
+    b = Backoff()
+    run(b, 4, accept=True, budget=8)  # size 8
+    sizes = []
+    for accepted in [4, 3, 1, 1, 0]:  # half or more: keep; less: halve; none: one token
+        sizes.append(b.allowance("r", 8))
+        b.record("r", sizes[-1], accepted)
+    assert sizes == [8, 8, 4, 2, 2]
+    assert b.allowance("r", 8) == 1 and not b.backing_off("r")
+    b.record("r", 1, 0)  # a rejected one-token draft: back off
+    assert b.backing_off("r") and b.allowance("r", 8) == 0
 
 
 def test_failed_probes_come_further_apart_and_draft_one_token():
     b = Backoff()
-    run(b, backoff.MISSES, accept=False)
-    allowed = run(b, 8 + 16 + 32 + 64 + 64, accept=False)
+    back_off(b)
+    p = backoff.PROBE
+    allowed = run(b, p + 4 * p + 16 * p + 2 * backoff.PROBE_MAX, accept=False)
     probes = [i for i, n in enumerate(allowed) if n]
     assert all(allowed[i] == 1 for i in probes)
     gaps = [later - earlier for earlier, later in zip([-1, *probes], probes)]
-    assert gaps == [8, 16, 32, 64, 64]  # doubling, capped at PROBE_MAX
+    assert gaps == [p, 4 * p, min(16 * p, backoff.PROBE_MAX), backoff.PROBE_MAX, backoff.PROBE_MAX]
 
 
 def test_an_accepted_probe_ends_the_back_off():
     b = Backoff()
-    run(b, backoff.MISSES, accept=False)
-    run(b, 7, accept=False)  # idle steps before the first probe
+    back_off(b)
+    assert run(b, backoff.PROBE - 1, accept=False) == [0] * (backoff.PROBE - 1)  # idle steps before the probe
     assert run(b, 1, accept=True) == [1]
-    assert run(b, 3, accept=True) == [4, 4, 4]
+    assert not b.backing_off("r")
+    assert run(b, 3, accept=True) == [2, 4, 4]
 
 
 def test_requests_are_independent_and_dropped():
     b = Backoff()
-    run(b, backoff.MISSES, accept=False)
-    assert b.allowance("other", 3) == 3
+    back_off(b)
+    assert b.allowance("other", 3) == 1  # a new request: one token first
     b.drop("r")
-    assert b.allowance("r", 4) == 4
+    assert not b.backing_off("r") and b.allowance("r", 4) == 1
     assert b.allowance("r", 0) == 0
 
 
@@ -55,7 +75,7 @@ def test_rests_next_foretells_a_step_without_drafts():
     proposer, and need not export them): probes rejected and accepted, back-offs ended and begun."""
     b = Backoff()
     n, probes, rests = 4, 0, 0
-    for _ in range(400):
+    for _ in range(1200):
         if n:  # a step verifying n drafts: full drafts are rejected, every third probe is accepted
             probe = b.backing_off("r")
             probes += probe
@@ -66,5 +86,5 @@ def test_rests_next_foretells_a_step_without_drafts():
             n = b.allowance("r", 4)
             assert resting == (b.backing_off("r") and n == 0)
             rests += resting
-    assert probes > 6 and rests > 200
+    assert probes > 6 and rests > 900
     assert not Backoff().rests_next("new")  # a new request drafts

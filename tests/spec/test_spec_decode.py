@@ -14,6 +14,7 @@ from conftest import save_random_checkpoint
 
 from musespark import LLM, SamplingParams
 from musespark.config import ModelConfig
+from musespark.engine.spec_decode.backoff import Backoff
 from musespark.engine.spec_decode.config import SpeculativeConfig
 from musespark.engine.spec_decode.ngram import NgramProposer
 from musespark.engine.spec_decode.proposer import ProposalRequest
@@ -295,6 +296,8 @@ def test_seeded_sampling_with_speculation_matches_the_target(small_checkpoint):
             "prompt_lookup_min": 1,
         },
     )
+    # every request's first draft has both tokens (a new request would start with one)
+    llm.engine.core.speculator.backoff = Backoff(start=2)
     params = [SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True, seed=1000 + i) for i in range(n)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
     seen = Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outs)
@@ -547,7 +550,7 @@ class WrongProposer(OracleProposer):
 
 
 def test_speculation_backs_off_where_drafts_are_rejected():
-    """A request whose drafts are all rejected stops drafting after `backoff.MISSES` of them and
+    """A request whose drafts are all rejected stops drafting after its first one-token draft and
     then only probes, one token at a time, further and further apart (so it decodes at about the
     plain speed); one whose drafts are accepted drafts every step. Outputs are the same either way."""
     from musespark.engine.spec_decode import backoff
@@ -566,10 +569,10 @@ def test_speculation_backs_off_where_drafts_are_rejected():
         drafts, draft_tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
         if accepted:
             assert drafts >= 64 // (NGRAM["num_speculative_tokens"] + 1) - 1
-        else:  # MISSES full drafts, then probes of one token at 8, 16, 32 steps apart
-            probes = drafts - backoff.MISSES
-            assert 1 <= probes <= 3, drafts
-            assert draft_tokens == backoff.MISSES * NGRAM["num_speculative_tokens"] + probes
+        else:  # a one-token draft, then probes of one token PROBE, PROBE * GROWTH, ... steps apart
+            probes = drafts - 1
+            assert 1 <= probes <= 2 and backoff.PROBE * (1 + backoff.GROWTH) > 64 - 2, drafts
+            assert draft_tokens == drafts
 
 
 def test_rejected_drafts_never_enter_the_prefix_cache():

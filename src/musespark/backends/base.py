@@ -50,11 +50,13 @@ class Backend(ABC):
         ctx: AttentionContext,
         rope: dict,
         dtype: torch.dtype,
-    ) -> torch.Tensor | None:
+        aux_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         """The model's whole forward in one go (it calls this inside `step` first): the final
         norm's output y, the same bits as `embed`, `DecoderLayer.forward` layer by layer and
-        `final_norm` give; or None (the default), and the model runs those steps. A backend
-        offers it for the steps where one call saves its overhead."""
+        `final_norm` give, and with `aux_layers` (y, aux) as the model's forward returns them;
+        or None (the default), and the model runs those steps. A backend offers it for the
+        steps where one call saves its overhead."""
         return None
 
     @abstractmethod

@@ -120,13 +120,17 @@ class CpuBackend(TorchBackend):
         ctx: AttentionContext,
         rope: dict,
         dtype: torch.dtype,
-    ) -> torch.Tensor | None:
-        """A pure decode step as one native call, where the plan takes it (`CpuPlan.whole`)."""
+        aux_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step (speculative verification rows included) as one native call, where the
+        plan takes it (`CpuPlan.whole`)."""
         plan = self.plan
         if not plan.whole(input_ids.shape[0], ctx, dtype):
             return None
         first = input_ids if plan.native_embed else self.embed(model, input_ids)
-        return self.decode_plan.run(model, plan, first, positions, ctx, rope, dtype, self._prompt(input_ids))
+        return self.decode_plan.run(
+            model, plan, first, positions, ctx, rope, dtype, self._prompt(input_ids), aux_layers
+        )
 
     def embed(self, model: DecoderModel, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.plan.native_embed:

@@ -1,6 +1,9 @@
-"""The cpu backend's whole-step plan: a pure decode step of the whole model (embedding norm,
+"""The cpu backend's whole-step plan: a decode step of the whole model (embedding norm,
 every decoder layer, final norm) in one native call (kernels/csrc/blocks/decode_plan.cpp)
-instead of four op calls per layer from Python.
+instead of four op calls per layer from Python. A decode step here is one whose every row
+is a decode row: one new token per sequence, or a sequence's speculative verification rows
+(`AttentionContext.row_wise`), which attend row by row as decode rows in both paths. The
+streams a drafter reads (`aux_layers`) come out of the same call.
 
 It is the layer-by-layer path with the loop moved into C++: per layer it holds the argument
 tuples that path passes to the fused ops (`StepArgs`, the same objects) and the layer's KV
@@ -28,9 +31,23 @@ if TYPE_CHECKING:
     from .modules import DecoderModel
 
 
+def row_sequences(ctx: AttentionContext, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per row of a decode step: its sequence (None when each sequence has one row) and how
+    many keys it sees [T] int64. Row i of a verifying sequence's n rows sees
+    seq_len - (n - 1 - i) keys, as `layers/attention.py` computes row-wise rows."""
+    if not ctx.row_wise:
+        return None, ctx.seq_lens_tensor(device)
+    qsl, seqs, lens = ctx.query_start_loc, [], []
+    for b, seq_len in enumerate(ctx.seq_lens):
+        n = qsl[b + 1] - qsl[b]
+        seqs += [b] * n
+        lens += range(seq_len - n + 1, seq_len + 1)
+    return torch.tensor(seqs, device=device), torch.tensor(lens, dtype=torch.int64, device=device)
+
+
 class DecodePlan:
-    """`run` is the model's forward over a pure decode step (the caller,
-    `CpuBackend.decode_forward`, asks the CPU plan whether a step is one)."""
+    """`run` is the model's forward over a decode step (the caller, `CpuBackend.decode_forward`,
+    asks the CPU plan whether a step is one)."""
 
     def __init__(self, args: StepArgs) -> None:
         self.args = args
@@ -50,24 +67,28 @@ class DecodePlan:
         rope: dict,
         dtype: torch.dtype,
         prompt: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """first: the token ids [B] (one new token per sequence) where `plan.native_embed`, else
-        the embedding norm's output [B, H] fp32 -> the final norm's output [B, H] in `dtype`.
-        The rotary tables go through `rope` as in the layer-by-layer path; `prompt`: the
-        step's prompt-row flags (CpuBackend.step)."""
+        aux_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """first: the token ids [T] where `plan.native_embed`, else the embedding norm's output
+        [T, H] fp32 -> the final norm's output [T, H] in `dtype`, and with `aux_layers` (y, aux)
+        as the model's forward returns them. The rotary tables go through `rope` as in the
+        layer-by-layer path; `prompt`: the step's prompt-row flags (CpuBackend.step)."""
         assert ctx.kv_caches is not None and ctx.groups is not None and ctx.layer_group is not None
         native = self._current(model, plan, ctx, dtype)
         tables = [model.layers[i].self_attn.rotary(positions, rope, ctx.max_position) for i in self._rope_layers]
-        return native.run(
+        seqs, lens = row_sequences(ctx, positions.device)
+        out = native.run(
             first,
             [t[0] for t in tables],
             [t[1] for t in tables],
             [g.slot_mapping for g in ctx.groups],
-            [g.block_tables for g in ctx.groups],
-            ctx.seq_lens_tensor(positions.device),
+            [g.block_tables if seqs is None else g.block_tables.index_select(0, seqs) for g in ctx.groups],
+            lens,
             dtype == torch.bfloat16,
             prompt,
+            list(aux_layers),
         )
+        return (out[0], torch.cat(out[1:], dim=-1)) if aux_layers else out[0]
 
     def _current(self, model: DecoderModel, plan: CpuPlan, ctx: AttentionContext, dtype: torch.dtype) -> Any:
         caches = ctx.kv_caches

@@ -91,20 +91,30 @@ class CpuPlan:
         return self.native_head and y.dtype == head_dtype and y.shape[0] > 0 and self.native_rows(y.dtype, y.shape[0])
 
     def whole(self, rows: int, ctx: AttentionContext, dtype: torch.dtype) -> bool:
-        """Whether a step is a pure decode step the whole-step plan runs: one new row per
-        sequence, no row-wise (speculative) rows, and every layer's choice the fused blocks
-        plus the decode kernel, as the layer-by-layer path would choose them."""
+        """Whether a step is a decode step the whole-step plan runs: every row a decode row (one
+        new row per sequence, or a sequence's speculative rows, which attend row by row), and
+        every layer's choice the fused blocks plus the decode kernel, as the layer-by-layer
+        path would choose them for those rows."""
         return (
             self.whole_step
             and self.native_decode
             and self.fused(dtype, rows)
-            and rows == ctx.num_seqs > 0
-            and not ctx.row_wise
+            and ctx.num_seqs > 0
+            and _decode_rows(ctx, rows)
             and ctx.kv_caches is not None
             and ctx.groups is not None
             and ctx.layer_group is not None
             and all(k.dtype == v.dtype == dtype for k, v in ctx.kv_caches)
         )
+
+
+def _decode_rows(ctx: AttentionContext, rows: int) -> bool:
+    """Whether each of the step's `rows` rows is a decode row: every sequence has one new row
+    or is in `ctx.row_wise`."""
+    if not ctx.row_wise:
+        return rows == ctx.num_seqs
+    qsl, row_wise = ctx.query_start_loc, set(ctx.row_wise)
+    return qsl[-1] == rows and all(qsl[b + 1] - qsl[b] == 1 or b in row_wise for b in range(ctx.num_seqs))
 
 
 def select_plan(model: DecoderModel, path: str, panels: bool) -> CpuPlan:

@@ -233,16 +233,18 @@ class MuseSparkForCausalLM(nn.Module):
             raise ValueError("aux_layers is not supported with pipeline parallelism")
         rope: Rope = {}
         start, end = self.layer_range
+        if list(aux_layers) != sorted(set(aux_layers)) or any(not start <= i < end for i in aux_layers):
+            raise ValueError(f"aux_layers {aux_layers} must be ascending, distinct layer indices in [{start}, {end})")
         aux: list[torch.Tensor] = []
         with backend.step(ctx):
             # A backend may run the whole step in one call, with the same bits (Backend.decode_forward).
-            y = (
+            whole = (
                 None
-                if aux_layers or par.world_size > 1
-                else backend.decode_forward(self, input_ids, positions, ctx, rope, dtype)
+                if par.world_size > 1
+                else backend.decode_forward(self, input_ids, positions, ctx, rope, dtype, tuple(aux_layers))
             )
-            if y is not None:
-                return y
+            if whole is not None:
+                return whole
             if par.is_first_stage:
                 s = backend.embed(self, input_ids)  # fp32 stream
             else:
@@ -256,8 +258,6 @@ class MuseSparkForCausalLM(nn.Module):
             return s  # not final: only the last stage normalizes and computes logits
         y = backend.final_norm(self, s, dtype)
         if aux_layers:
-            if len(aux) != len(aux_layers) or list(aux_layers) != sorted(set(aux_layers)):
-                raise ValueError(f"aux_layers {aux_layers} must be ascending, distinct layer indices in [0, {end})")
             return y, torch.cat(aux, dim=-1)
         return y
 

@@ -1,19 +1,23 @@
-"""Per-request back-off for speculation whose drafts keep failing.
+"""Per-request draft sizing and back-off for speculation.
 
-A drafted step verifies 1 + k rows per request; when the drafts are rejected that work buys
-nothing, and on a model bound by its arithmetic (small, fp32, one thread) every extra row
-costs. So each request keeps:
+A drafted step verifies 1 + k rows per request. When drafts are rejected that work buys
+nothing, and on a model bound by its arithmetic or by its expert weights (a small MoE, one
+thread: every extra row may route to other experts) each extra row costs nearly a decode
+step. So each request's drafts are sized by what its last draft earned:
 
-* `rate`: a running acceptance rate (accepted / drafted, weight 1 - DECAY on the newest
-  draft, starting at 1, so a new request drafts fully);
-* `misses`: how many verified drafts in a row accepted nothing.
+* a new request starts with `START` draft token (the cheapest check that its text is
+  predictable at all; `Backoff(start=...)` for another size);
+* a draft accepted in full doubles the next one; at least half accepted keeps its size;
+  less than half halves it; none accepted drops it to one token;
+* a one-token draft that is rejected starts the back-off: the request drafts only on probe
+  steps, one token each, `interval` steps apart (first `PROBE`). A probe that is accepted
+  ends the back-off (the next draft has two tokens); one that is not makes the interval
+  `GROWTH` times longer, up to `PROBE_MAX`.
 
-A request backs off while `rate < RATE` or `misses >= MISSES`: it drafts only on probe steps,
-one token each (the cheapest verification), `interval` steps apart. A probe that is accepted
-ends the back-off (rate lifted to RATE, misses 0); one that is not doubles the interval, up to
-PROBE_MAX. Text nothing predicts then costs about a plain decode, and a run that becomes
-predictable again is found within `interval` steps. Outputs never depend on any of this:
-drafts only change speed.
+So text that nothing predicts costs one rejected one-token check, then one probe every
+PROBE, PROBE * GROWTH, ... steps, and predictable text reaches the full draft in a few
+steps. Outputs never depend on any of this: drafts only change speed. The budget given to
+`allowance` (num_speculative_tokens, max_tokens, max_model_len) caps every size.
 
 Between probes a request also stops feeding its proposer (speculator.py): the rows of a step
 after which it drafts nothing go nowhere, and `rests_next` says so before a step without
@@ -24,27 +28,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RATE = 0.25
-DECAY = 0.7
-MISSES = 2
-PROBE = 8
-PROBE_MAX = 64
+START = 1
+PROBE = 16
+GROWTH = 4
+PROBE_MAX = 256
 
 
 @dataclass
 class _State:
-    rate: float = 1.0
-    misses: int = 0
+    size: int  # draft tokens the next draft may have (before the step's budget)
+    interval: int = 0  # steps between probes; 0: not backing off
     idle: int = 0  # steps since the last probe, while backing off
-    interval: int = PROBE  # steps between probes, while backing off
 
     @property
     def backing_off(self) -> bool:
-        return self.rate < RATE or self.misses >= MISSES
+        return self.interval > 0
 
 
 class Backoff:
-    def __init__(self) -> None:
+    def __init__(self, start: int = START) -> None:
+        if start < 1:
+            raise ValueError(f"start must be >= 1 draft token, got {start}")
+        self.start = start  # a new request's first draft size
         self._state: dict[str, _State] = {}
 
     def drop(self, request_id: str) -> None:
@@ -52,14 +57,23 @@ class Backoff:
 
     def record(self, request_id: str, drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` >= 1 tokens, `accepted` of them accepted."""
-        st = self._state.setdefault(request_id, _State())
-        probe = st.backing_off  # drafted while backing off: it was a probe
-        st.rate = DECAY * st.rate + (1 - DECAY) * accepted / drafted
-        st.misses = 0 if accepted else st.misses + 1
-        if probe and accepted:
-            st.rate, st.interval, st.idle = max(st.rate, RATE), PROBE, 0
-        elif probe:
-            st.interval = min(2 * st.interval, PROBE_MAX)
+        st = self._state.setdefault(request_id, _State(self.start))
+        if st.backing_off:  # drafted while backing off: it was a probe
+            if accepted:
+                st.interval, st.idle, st.size = 0, 0, 2 * drafted
+            else:
+                st.interval = min(GROWTH * st.interval, PROBE_MAX)
+            return
+        if accepted == drafted:
+            st.size = 2 * drafted
+        elif 2 * accepted >= drafted:
+            st.size = drafted
+        elif accepted:
+            st.size = max(1, drafted // 2)
+        elif drafted > 1:
+            st.size = 1
+        else:
+            st.interval, st.idle = PROBE, 0
 
     def backing_off(self, request_id: str) -> bool:
         st = self._state.get(request_id)
@@ -73,11 +87,13 @@ class Backoff:
         return st is not None and st.backing_off and st.idle + 1 < st.interval
 
     def allowance(self, request_id: str, budget: int) -> int:
-        """How many of `budget` drafts the request may have next step: all of them, or while
+        """How many of `budget` drafts the request may have next step: up to its size, or while
         backing off 0 between probes and 1 on a probe. Call once per step per request."""
-        st = self._state.get(request_id)
-        if st is None or not st.backing_off or budget == 0:
-            return budget
+        if budget == 0:
+            return 0
+        st = self._state.setdefault(request_id, _State(self.start))
+        if not st.backing_off:
+            return min(budget, st.size)
         st.idle += 1
         if st.idle < st.interval:
             return 0

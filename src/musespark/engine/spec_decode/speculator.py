@@ -20,7 +20,7 @@ one token each, further and further apart. Invariant: the proposer is given a re
 of a step unless the request is backing off and drafts nothing next step; the positions of
 those steps are a gap in its context (dspark masks them out of the draft's attention, as for
 a prefix-cache hit of the target; the runner keeps no stream past its step, so a probe does
-not catch up on them). So between probes a request costs its proposer nothing, and a draft
+not catch up on them). So between probes a request costs its proposer nothing (it is not even asked), and a draft
 always has the rows of the step just before it. `needs_aux` tells the core before a step
 whether any of its rows can be given (`Backoff.rests_next` foretells the withheld ones); a
 step in which none can exports no streams and runs as a plain decode step. Outputs never
@@ -150,6 +150,11 @@ class Speculator:
             if out.aux is not None and (budget > 0 or not self.backoff.backing_off(request.request_id)):
                 row = out.first_row[request.request_id]
                 hidden = out.aux[row : row + request.num_computed_tokens - start]
+            elif budget == 0 and self.backoff.backing_off(request.request_id):
+                # resting between probes: nothing to give or ask (the proposer takes the
+                # positions it next sees past its context as a gap, or catches up on tokens)
+                request.spec_token_ids, request.spec_probs = [], None
+                continue
             table = None if self.draft_group is None else batch.block_tables[i][self.draft_group]
             asks.append(ProposalRequest(request.request_id, request.token_ids, start, hidden, budget, table))
             targets.append(request)

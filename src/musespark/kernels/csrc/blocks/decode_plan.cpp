@@ -13,6 +13,7 @@
 // and the model's and the backend's glue, all slow with the caches cold from the weights,
 // while the other threads wait (benchmarks/RESULTS.md, at e4f6249). Here that is one call.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/clone.h>
 #include <ATen/ops/embedding.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -68,14 +69,17 @@ struct DecodePlan : torch::CustomClassHolder {
     return layers[static_cast<size_t>(i)];
   }
 
-  // One decode row per sequence: `input` is the token ids [B] int64 if the plan embeds
-  // (set_embedding), else the stream [B, H] fp32 -> the final norm's output y [B, H] in the
-  // model's dtype (bf16 or fp32). cos, sin: the step's rotary tables [B, D] fp32
-  // (Layer::rope indexes them); slot_mappings [B] and block_tables [B, n] int64 per KV group
-  // (Layer::group indexes them); seq_lens [B].
-  Tensor run(const Tensor& input, const Tensors& cos, const Tensors& sin, const Tensors& slot_mappings,
-             const Tensors& block_tables, const Tensor& seq_lens, bool bf16,
-             const std::optional<Tensor>& prompt_rows) const {
+  // One decode row per query: `input` is the token ids [B] int64 if the plan embeds
+  // (set_embedding), else the stream [B, H] fp32 -> {the final norm's output y [B, H] in the
+  // model's dtype (bf16 or fp32), then a copy of the fp32 stream after each layer in
+  // `aux_layers` (ascending)}. cos, sin: the step's rotary tables [B, D] fp32 (Layer::rope
+  // indexes them); slot_mappings [B] and block_tables [B, n] int64 per KV group (Layer::group
+  // indexes them); seq_lens [B]: the keys row b sees. Rows of one sequence (speculative
+  // verification) repeat its block table with their own lengths: each layer writes every
+  // row's K/V before any row attends (paged_decode_step), and a row sees only its prefix.
+  Tensors run(const Tensor& input, const Tensors& cos, const Tensors& sin, const Tensors& slot_mappings,
+              const Tensors& block_tables, const Tensor& seq_lens, bool bf16,
+              const std::optional<Tensor>& prompt_rows, const std::vector<int64_t>& aux_layers) const {
     TORCH_CHECK(!layers.empty() && final_gain.defined(), "DecodePlan.run: the plan has no layers or no final norm");
     TORCH_CHECK(cos.size() == sin.size(), "DecodePlan.run: cos and sin must be lists of the same length");
     TORCH_CHECK(slot_mappings.size() == block_tables.size(),
@@ -94,7 +98,12 @@ struct DecodePlan : torch::CustomClassHolder {
                    ? musespark_ops::rms_norm(at::embedding(embedding, input), std::nullopt, embed_eps, false, 1.0,
                                              at::kFloat)
                    : input;
-    for (const Layer& L : layers) {
+    for (size_t i = 1; i < aux_layers.size(); ++i)
+      TORCH_CHECK(aux_layers[i - 1] < aux_layers[i], "DecodePlan.run: aux_layers must be ascending");
+    Tensors out(1);
+    size_t next_aux = 0;
+    for (size_t li = 0; li < layers.size(); ++li) {
+      const Layer& L = layers[li];
       std::optional<Tensor> c, sn;
       if (L.rope >= 0) c = cos[L.rope], sn = sin[L.rope];
       auto [q, k, v, g] = musespark_ops::attn_in(s, L.in_gain, L.in_eps, L.wq, L.wk, L.wv, L.wg, L.heads,
@@ -112,8 +121,15 @@ struct DecodePlan : torch::CustomClassHolder {
       else
         s = musespark_ops::ffn_dense(s, L.pre_gain, L.pre_eps, L.w_gate, L.w_up, L.w_down, L.post_gain,
                                      L.post_eps, L.f_alpha, L.f_beta, bf16, prompt_rows);
+      if (next_aux < aux_layers.size() && aux_layers[next_aux] == static_cast<int64_t>(li)) {
+        out.push_back(s.clone());  // a copy: later layers may update s in place
+        ++next_aux;
+      }
     }
-    return musespark_ops::rms_norm(s, final_gain, final_eps, false, 1.0, bf16 ? at::kBFloat16 : at::kFloat);
+    TORCH_CHECK(next_aux == aux_layers.size(), "DecodePlan.run: aux_layers must be layer indices in [0, ",
+                layers.size(), ")");
+    out[0] = musespark_ops::rms_norm(s, final_gain, final_eps, false, 1.0, bf16 ? at::kBFloat16 : at::kFloat);
+    return out;
   }
 };
 
@@ -177,7 +193,8 @@ TORCH_LIBRARY_FRAGMENT(musespark_cpu, m) {
              L.has_ffn = true;
            })
       .def("run", [](const Plan& self, Tensor input, Tensors cos, Tensors sin, Tensors slot_mappings,
-                     Tensors block_tables, Tensor seq_lens, bool bf16, std::optional<Tensor> prompt_rows) {
-        return self->run(input, cos, sin, slot_mappings, block_tables, seq_lens, bf16, prompt_rows);
+                     Tensors block_tables, Tensor seq_lens, bool bf16, std::optional<Tensor> prompt_rows,
+                     std::vector<int64_t> aux_layers) {
+        return self->run(input, cos, sin, slot_mappings, block_tables, seq_lens, bf16, prompt_rows, aux_layers);
       });
 }
