@@ -47,6 +47,8 @@ def chat_logprob_counts(
     """(logprobs, prompt_logprobs) for the engine's SamplingParams, checked as vLLM checks them."""
     limit = _limit(max_logprobs, vocab_size)
     top = req.top_logprobs
+    if top is not None and top < -1:
+        raise APIError(400, f"top_logprobs must be a positive value or -1, got {top}", "top_logprobs")
     if top is not None and (top == -1 or top > 0) and not req.logprobs:
         raise APIError(400, "when using top_logprobs, logprobs must be set to true", "top_logprobs")
     logprobs = _count("top_logprobs", top or 0, "sample", vocab_size, limit) if req.logprobs else None
