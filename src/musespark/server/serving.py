@@ -10,7 +10,8 @@ Invariants:
   call them in a worker thread (`asyncio.to_thread`), never on the event loop.
 * Every `ValueError` raised while building a request becomes a 400 whose `param` is the
   error's own (`InvalidArgumentError.param`); no message text is parsed.
-* Streamed logprobs come from each step's `delta_logprobs`, never from the growing lists.
+* The streams themselves are server/streams.py; vLLM's chat extensions (logprob counts,
+  echo, beam search refusal) are server/chat_fields.py.
 * With an output parser (chat, `--reasoning-parser` / `--enable-auto-tool-choice`), the
   engine's output processor parses; this file only maps `delta_parsed` / `parsed` to
   `reasoning`, `content` and `tool_calls`, so streamed and non-streamed agree.
