@@ -106,9 +106,12 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)), show_progress=True)
     processor = llm.engine.input_processor
+    max_tokens = args.max_tokens
+    if max_tokens is not None and processor.override_max_tokens is not None:  # the server's cap (vLLM's)
+        max_tokens = min(max_tokens, processor.override_max_tokens)
     params = processor.default_sampling_params(
         fallback_max_tokens=GENERATE_MAX_TOKENS,
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,

@@ -140,12 +140,18 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # non-empty; every other token is banned
     bad_words: list[str] | None = None  # banned words (see the module docstring)
     structured_outputs: StructuredOutputsParams | None = None  # a dict is converted
+    # Muse reasoning: after this many tokens of `to=self` messages the message is ended and the
+    # answer begins (engine/thinking_budget.py); None: no limit.
+    thinking_token_budget: int | None = None
     # Set by `update_from_tokenizer` (vLLM's private field of the same name): the token
     # sequences that `bad_words` ban. A field, so `dataclasses.replace` (n > 1 children) keeps it.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # Set by `InputProcessor.validate`: `structured_outputs` compiled for this model's
     # tokenizer (musespark.structured.CompiledStructure); n > 1 children share it.
     _compiled_grammar: Any = field(default=None, repr=False, compare=False)
+    # Set by `InputProcessor.validate` with thinking_token_budget: the tokenizer's
+    # engine.thinking_budget.BudgetPlan (None: the model has no reasoning channel to end).
+    _thinking_plan: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Over 60 lines on purpose: one check per field, in field order, so every rule and
@@ -233,6 +239,12 @@ class SamplingParams:
                 if not _is_int(lp) or lp < 0:
                     raise _bad(name, lp, "None or an int >= 0")
                 set_(name, int(lp))
+
+        tb = self.thinking_token_budget
+        if tb is not None:
+            if not _is_int(tb) or tb < 0:
+                raise _bad("thinking_token_budget", tb, "None or an int >= 0")
+            set_("thinking_token_budget", int(tb))
 
         self._check_logit_controls()
 

@@ -93,6 +93,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tool-call-parser", default=None, metavar="NAME", help="muse (alias musespark1x)")
     p.add_argument(
+        "--enable-prompt-tokens-details",
+        action=EnableDisable,
+        default=False,
+        help="send usage.prompt_tokens_details.cached_tokens (prefix-cache hits); default: null, as vLLM",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action=EnableDisable,
+        default=False,
+        help="name logprob tokens 'token_id:N' (a request's return_tokens_as_token_ids overrides it)",
+    )
+    p.add_argument(
         "--enable-log-requests",
         dest="log_requests",
         action=EnableDisable,
@@ -218,6 +230,8 @@ def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         header_timeout_s=args.header_timeout,
         allowed_origins=allowed_origins(args.allowed_origins),
         forwarded_allow_ips=args.forwarded_allow_ips,
@@ -249,6 +263,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--chat-template needs a model with a tokenizer")
     if settings.generation_overrides:
         engine.input_processor.generation_defaults.update(settings.generation_overrides)
+        cap = settings.generation_overrides.get("max_tokens")
+        if cap is not None:  # vLLM: --override-generation-config's max_new_tokens caps every request
+            engine.input_processor.override_max_tokens = cap
         engine.input_processor.default_sampling_params()  # a bad value fails now, not per request
     if not server.model_name:
         server = dataclasses.replace(server, model_name=engine.model_path.name)

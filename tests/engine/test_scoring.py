@@ -69,7 +69,8 @@ def http(llm):
 
     from musespark.server.api import ServerConfig, build_app
 
-    with TestClient(build_app(llm.engine, ServerConfig(model_name="m", log_requests=False))) as c:
+    config = ServerConfig(model_name="m", log_requests=False, enable_prompt_tokens_details=True)
+    with TestClient(build_app(llm.engine, config)) as c:
         yield c
 
 

@@ -510,7 +510,7 @@ def test_chat_accepts_developer_and_tool_calls_without_content(client):
                     },
                 }
             },
-            "structured_outputs.json",
+            "response_format",  # the field the request gave, not the key it became
         ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},

@@ -177,12 +177,13 @@ def test_thinking_and_tool_use_streamed_and_not(replay_client):
     replay_client, _ = replay_client
     tools = [{**WEATHER, "input_schema": TOOLS[0]["function"]["parameters"]}]
     params = dict(model="m", max_tokens=200, tools=tools, messages=[{"role": "user", "content": "Weather in Paris?"}])
+    params["thinking"] = {"type": "adaptive"}  # thinking blocks are sent only when asked for
     msg = replay_client.messages.create(**params)
     assert msg.id.startswith("msg_") and msg.type == "message" and msg.role == "assistant" and msg.model == "m"
     thinking, call = msg.content
     assert thinking.type == "thinking" and thinking.thinking == "Need weather."
     assert call.type == "tool_use" and call.name == "get_weather" and call.input == {"city": "Paris", "days": 3}
-    assert call.id and msg.stop_reason == "tool_use" and msg.stop_sequence is None
+    assert call.id.startswith("toolu_") and msg.stop_reason == "tool_use" and msg.stop_sequence is None
     with replay_client.messages.stream(**params) as stream:  # the SDK accumulates the events
         types = [e.type for e in stream]
         final = stream.get_final_message()

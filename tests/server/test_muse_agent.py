@@ -297,7 +297,7 @@ def test_bad_constraints_never_reach_the_engine(server, client):
         with pytest.raises(openai.BadRequestError) as err:
             chat(client, [{"role": "user", "content": "hi"}], **kw)
         assert err.value.body["param"] in (
-            "structured_outputs.json",
+            "response_format",
             "structured_outputs.regex",
             "tools",
             "tool_choice",

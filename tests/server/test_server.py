@@ -331,7 +331,7 @@ def test_errors(server, client):
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n"),
-        ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ({"max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),  # more than the room is cut (vLLM)
         ({"prompt": 5}, "prompt"),
         ({"stop": [1]}, "stop"),
     ]:

@@ -29,7 +29,7 @@ not_bool = st.one_of(
 
 # (field, strategy of values that must be refused)
 BAD_FIELDS = {
-    "max_tokens": st.one_of(st.integers(max_value=0), st.integers(min_value=MAX_MODEL_LEN), not_int),
+    "max_tokens": st.one_of(st.integers(max_value=0), st.integers(min_value=MAX_MODEL_LEN + 1), not_int),
     "temperature": st.one_of(st.floats(max_value=-1e-3), st.just(float("nan")), st.just(float("inf")), not_number),
     "top_p": st.one_of(st.floats(max_value=0.0), st.floats(min_value=1.0001), st.just(float("nan")), not_number),
     "top_k": st.one_of(st.integers(max_value=-2), not_int),

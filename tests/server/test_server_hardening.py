@@ -162,13 +162,14 @@ def test_bearer_scheme_in_any_case_and_stream_options_need_stream(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
-def test_explicit_max_tokens_is_capped_by_the_generation_config():
+def test_generation_config_max_new_tokens_is_a_default_and_caps_only_when_given():
     from musespark.engine.input_processor import InputProcessor
 
     inputs = InputProcessor(None, 4096, 1024, {"max_tokens": 100})  # generation_config max_new_tokens 100
+    assert inputs.resolve_max_tokens(500, 10) == 500 and inputs.resolve_max_tokens(50, 10) == 50
+    assert inputs.resolve_max_tokens(None, 10) == 100 and inputs.resolve_max_tokens(1020, 10) == 1014
+    inputs.override_max_tokens = 100  # --generation-config DIR / --override-generation-config
     assert inputs.resolve_max_tokens(500, 10) == 100 and inputs.resolve_max_tokens(50, 10) == 50
-    assert inputs.resolve_max_tokens(None, 10) == 100
-    assert InputProcessor(None, 4096, 1024, {}).resolve_max_tokens(500, 10) == 500
 
 
 # -- event loop, timeouts, logs -----------------------------------------------------------------------

@@ -4,7 +4,9 @@ request handling around them (docs/muse_chat.md §2.0).
 * `compile_template` (chat_jinja.py) builds HF's Jinja environment; `load_chat_template`
   reads a `--chat-template` value (the template itself, or a file naming it).
 * `normalize_messages` is vLLM's message preprocessing plus HF's: roles system, developer,
-  user, assistant, tool; text parts joined with "\\n"; None-valued keys dropped; assistant
+  user, assistant, tool, and any other non-empty role name, which reaches the template as it
+  is (the template decides: the Muse template raises on a role it does not know); text
+  parts joined with "\\n"; None-valued keys dropped; assistant
   `tool_calls[].function.arguments` parsed to dicts (invalid JSON or a non-object -> {}; an
   empty list is removed); reasoning under `reasoning`, `reasoning_content` and `thinking`;
   developer messages become system messages (merged into one at position 0) when the
@@ -30,6 +32,7 @@ from typing import Any
 from ..errors import InvalidArgumentError
 from .chat_jinja import compile_template
 
+# The roles OpenAI defines; any other non-empty role is a custom one, handed to the template.
 CHAT_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
 # OpenAI's (and vLLM's) reasoning_effort values.
 REASONING_EFFORTS: tuple[str, ...] = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -118,10 +121,8 @@ def normalize_messages(messages: Any, template: str | None = None) -> list[dict[
         if "role" not in msg:
             raise InvalidArgumentError(f"messages[{i}] is missing the 'role' field", param="messages")
         role = msg["role"]
-        if role not in CHAT_ROLES:
-            raise InvalidArgumentError(
-                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param="messages"
-            )
+        if not isinstance(role, str) or not role:  # custom roles reach the template (vLLM's rule)
+            raise InvalidArgumentError(f"messages[{i}].role must be a non-empty string, got {role!r}", param="messages")
         copy = {k: v for k, v in _plain(msg).items() if v is not None}  # HF drops None-valued keys
         if "content" in copy:
             copy["content"] = _content_text(copy["content"], i)

@@ -37,6 +37,7 @@ from .model_runner import ModelRunner, TokenLogprobs
 from .request import Request
 from .scheduler import Scheduler
 from .spec_decode.speculator import Speculator, build_proposer
+from .thinking_budget import Steering
 
 _SEED_BOUND = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit int
 
@@ -166,6 +167,9 @@ class EngineCore:
                 )
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             grammar = params._compiled_grammar.new_state(stops or self.eos_token_ids)
+        if params.thinking_token_budget is not None and params._thinking_plan is not None:
+            budget = params._thinking_plan.new_state(params.thinking_token_budget)
+            grammar = budget if grammar is None else Steering([grammar, budget])
         self.scheduler.add(
             Request(
                 request_id=request_id,

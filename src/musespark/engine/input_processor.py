@@ -1,8 +1,9 @@
 """The input processor: what a request's prompt and parameters become before the engine.
 
 One place for prompt validation, tokenization, chat rendering, the checkpoint's
-generation defaults (`generation_config.json`) and the `max_tokens` default; `LLM`, the
-CLI and the server all call it.
+generation defaults (`generation_config.json`), the `max_tokens` default and the server-wide
+`max_tokens` cap (vLLM's: only from `--generation-config DIR` or
+`--override-generation-config`); `LLM`, the CLI and the server all call it.
 
 Invariants:
 * Read-only after construction, so it is safe to call from several threads at once (the
@@ -26,6 +27,7 @@ from ..errors import InvalidArgumentError
 from ..sampling_params import SamplingParams
 from ..structured import StructuredOutputManager
 from . import chat
+from .thinking_budget import plan_for
 from .tokenizer import Tokenizer
 
 # generation_config.json key -> SamplingParams field (vLLM's mapping).
@@ -74,8 +76,12 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.generation_defaults: dict[str, Any] = dict(generation_defaults or {})
+        # vLLM's server-wide cap on max_tokens: the generation config's max_new_tokens, only when
+        # it comes from --generation-config DIR or --override-generation-config (else None).
+        self.override_max_tokens: int | None = None
         # Compiles structured-output grammars (thread-safe, cached; xgrammar loads on first use).
         self.structured = StructuredOutputManager(tokenizer, vocab_size) if tokenizer is not None else None
+        self.thinking_plan = plan_for(tokenizer)  # thinking_token_budget's markers (None: no channels)
         # The longest token's text: a prompt of N characters has at least N / this many tokens,
         # so a prompt far over max_model_len is refused without tokenizing it.
         self._max_token_chars = (
@@ -220,6 +226,8 @@ class InputProcessor:
                 raise InvalidArgumentError(
                     f"{name} has out-of-vocabulary token id(s) {bad[:8]}; the vocabulary is [0, {vocab})", param=name
                 )
+        if params.thinking_token_budget is not None and params._thinking_plan is None:
+            object.__setattr__(params, "_thinking_plan", self.thinking_plan)
         # Structured outputs: compiled here, on the caller's thread (the server's worker
         # threads), never on the engine loop; cached per constraint.
         if params.structured_outputs is not None and params._compiled_grammar is None:
@@ -240,21 +248,24 @@ class InputProcessor:
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return SamplingParams(**fields)
 
-    def resolve_max_tokens(self, max_tokens: int | None, num_prompt_tokens: int, kind: str = "prompt") -> Any:
-        """The server's rule (vLLM's): unset -> the room left; a valid request for more than
-        the room is refused (vLLM's message); either is capped by the checkpoint's
-        max_new_tokens. Anything else is returned as is for SamplingParams to check."""
+    def resolve_max_tokens(
+        self, max_tokens: int | None, num_prompt_tokens: int, kind: str = "prompt", param: str = "max_tokens"
+    ) -> Any:
+        """The server's rule (vLLM's `get_max_tokens`): the request's value, else the generation
+        config's max_new_tokens, capped by the room left after the prompt and by
+        `override_max_tokens`. A request for more than max_model_len is refused (vLLM's
+        message). Anything but an int >= 1 is returned as is for SamplingParams to check."""
         room = self.max_model_len - num_prompt_tokens
-        default = self.generation_defaults.get("max_tokens")
         if max_tokens is None:
-            return room if default is None else min(room, default)
-        if isinstance(max_tokens, int) and max_tokens >= 1 and num_prompt_tokens + max_tokens > self.max_model_len:
-            raise InvalidArgumentError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {kind}, {max_tokens} in the "
-                f"completion). Please reduce the length of the {kind} or completion.",
-                param="max_tokens",
-            )
-        if isinstance(max_tokens, int) and max_tokens >= 1 and isinstance(default, int) and default >= 1:
-            return min(max_tokens, default)  # vLLM caps a request by the checkpoint's max_new_tokens
-        return max_tokens
+            asked = self.generation_defaults.get("max_tokens")
+        elif isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1:
+            if max_tokens > self.max_model_len:
+                raise InvalidArgumentError(
+                    f"{param}={max_tokens} cannot be greater than max_model_len={self.max_model_len}. "
+                    "Please request fewer output tokens.",
+                    param=param,
+                )
+            asked = max_tokens
+        else:
+            return max_tokens
+        return min(v for v in (room, asked, self.override_max_tokens) if v is not None)

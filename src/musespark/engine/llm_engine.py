@@ -78,6 +78,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.vocab_size, config.scheduler.max_model_len, defaults
         )
+        if gc not in ("auto", "vllm"):  # vLLM: a generation config given by directory caps max_tokens
+            self.input_processor.override_max_tokens = defaults.get("max_tokens")
         self.output_processor = OutputProcessor(self.tokenizer)
 
     # -- read-only facts --------------------------------------------------------------

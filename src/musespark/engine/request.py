@@ -41,7 +41,8 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    grammar: Any = None  # structured.GrammarState when params.structured_outputs is set
+    # structured.GrammarState (structured_outputs), thinking_budget.ThinkingBudget, or both chained
+    grammar: Any = None
     cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only within one salt
     # Speculative decoding: drafts proposed for the next step (after the last token, which
     # is the anchor); consumed by the next schedule(), cleared on preemption.

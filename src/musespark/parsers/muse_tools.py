@@ -74,10 +74,27 @@ def normalize_name(name: str, registered: Mapping[str, object] | None) -> str:
     return name
 
 
+def _local_ref(schema: object, root: object) -> object:
+    """`schema` with a local "#/..." `$ref` at its top followed into `root` (a few hops)."""
+    for _ in range(16):
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            break
+        target = root
+        for part in ref[2:].split("/"):
+            target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+        if not isinstance(target, dict):
+            break
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
 def _is_string_param(schema: object, key: str) -> bool:
-    """True only for `"type": "string"` exactly; a type list or anyOf does not count (§3)."""
-    props = schema.get("properties") if isinstance(schema, dict) else None
-    prop = props.get(key) if isinstance(props, dict) else None
+    """True only for `"type": "string"` exactly; a type list or anyOf does not count (§3).
+    Local `$ref`s (at the root, or a property's) are followed."""
+    resolved = _local_ref(schema, schema)
+    props = resolved.get("properties") if isinstance(resolved, dict) else None
+    prop = _local_ref(props.get(key), schema) if isinstance(props, dict) else None
     return isinstance(prop, dict) and prop.get("type") == "string"
 
 

@@ -62,6 +62,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # vLLM's response options: usage.prompt_tokens_details (with cached_tokens) is sent only with
+    # --enable-prompt-tokens-details; --return-tokens-as-token-ids names logprob tokens "token_id:N".
+    enable_prompt_tokens_details: bool = False
+    return_tokens_as_token_ids: bool = False
     # Transport: seconds a connection may take to send a request's headers; browser origins
     # allowed by CORS (none by default); proxies whose X-Forwarded-* headers are believed
     # (None: nobody's; uvicorn's syntax, e.g. "10.0.0.1,10.0.0.2" or "*").
@@ -105,6 +109,8 @@ class ServerConfig:
             reasoning_effort_map=parse_reasoning_effort_map(self.reasoning_effort_map),
             reasoning_parser=self.reasoning_parser,
             tool_call_parser=self.tool_call_parser if self.enable_auto_tool_choice else None,
+            enable_prompt_tokens_details=self.enable_prompt_tokens_details,
+            return_tokens_as_token_ids=self.return_tokens_as_token_ids,
         )
 
 

@@ -60,12 +60,15 @@ def output_parser_factory(
     )
 
 
-def chat_message(c: CompletionOutput, include_reasoning: bool) -> dict[str, Any]:
+def chat_message(c: CompletionOutput, include_reasoning: bool, tool_choice: Any = None) -> dict[str, Any]:
     """The assistant message: the raw text, or with an output parser its reasoning, content
-    and tool calls (MUSE_CHAT §3)."""
+    and tool calls (MUSE_CHAT §3). A named tool_choice answers with content "" (vLLM's), never null."""
     if c.parsed is None:
         return {"role": "assistant", "content": c.text}
-    message: dict[str, Any] = {"role": "assistant", "content": c.parsed.content}
+    content = c.parsed.content
+    if content is None and isinstance(tool_choice, dict):
+        content = ""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if include_reasoning:
         message["reasoning"] = c.parsed.reasoning
     if c.parsed.tool_calls:
@@ -105,8 +108,10 @@ def chat_finish_reason(c: CompletionOutput, has_tool_calls: bool, tool_choice: A
     return resolve_finish_reason(c.finish_reason, has_tool_calls, named_tool_choice=isinstance(tool_choice, dict))
 
 
-def chat_usage(out: RequestOutput, n_out: int) -> dict[str, Any]:
-    body: dict[str, Any] = usage(len(out.prompt_token_ids), n_out, out.num_cached_tokens)
+def chat_usage(out: RequestOutput, n_out: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """The usage block; `cached_tokens` None leaves prompt_tokens_details null (vLLM without
+    --enable-prompt-tokens-details)."""
+    body: dict[str, Any] = usage(len(out.prompt_token_ids), n_out, cached_tokens)
     if any(c.delta_parsed is not None for c in out.outputs):
         body["completion_tokens_details"] = {"reasoning_tokens": sum(c.num_reasoning_tokens for c in out.outputs)}
     return body

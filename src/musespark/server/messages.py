@@ -45,6 +45,9 @@ class CountTokensRequest(RequestModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {effort?, format?: {type: json_schema, schema}}
+    # {type: "enabled", budget_tokens} | {type: "adaptive"} | {type: "disabled"}: thinking blocks
+    # are sent only when enabled or adaptive; "enabled" bounds the reasoning (thinking_token_budget).
+    thinking: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -174,6 +177,32 @@ def response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | No
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+def thinking_fields(thinking: dict[str, Any] | None, max_tokens: int | None) -> dict[str, Any]:
+    """Chat fields for Anthropic's `thinking` (vLLM's mapping): enabled -> thinking_token_budget =
+    budget_tokens (>= 1024 and < max_tokens); disabled -> reasoning_effort "none"; adaptive and
+    absent -> nothing."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+            raise APIError(400, f"thinking.budget_tokens: must be an integer >= 1024, got {budget!r}")
+        if max_tokens is not None and budget >= max_tokens:
+            raise APIError(400, "thinking.budget_tokens must be less than max_tokens")
+        return {"thinking_token_budget": budget}
+    if kind == "disabled":
+        return {"reasoning_effort": "none"}
+    if kind == "adaptive":
+        return {}
+    raise APIError(400, f"thinking.type: must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+
+
+def shows_thinking(thinking: dict[str, Any] | None) -> bool:
+    """Thinking blocks are sent only to a request that asks for thinking."""
+    return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+
+
 def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     tool_choice, parallel = chat_tool_choice(req.tool_choice)
     body = {
@@ -189,6 +218,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         "top_k": req.top_k,
         "response_format": response_format(req.output_config),
         "reasoning_effort": (req.output_config or {}).get("effort"),
+        **thinking_fields(req.thinking, req.max_tokens),
     }
     return _validated(ChatCompletionRequest, body)
 
@@ -209,11 +239,18 @@ def count_tokens(serving: Serving, req: CountTokensRequest) -> dict[str, int]:
         "messages": to_chat_messages(req.system, req.messages),
         "tools": chat_tools(req.tools),
         "reasoning_effort": (req.output_config or {}).get("effort"),
+        **{k: v for k, v in thinking_fields(req.thinking, None).items() if k == "reasoning_effort"},
     }
     return {"input_tokens": serving.tokenize(_validated(TokenizeRequest, body))["count"]}
 
 
 # -- the message object ---------------------------------------------------------------------------
+
+
+def tool_use_id(b: Block) -> str:
+    """Anthropic's tool-use id shape (`toolu_...`), fixed per block: the streamed and the
+    non-streamed message agree."""
+    return f"toolu_{b.uid[:24]}"
 
 
 def content_block(b: Block) -> dict[str, Any]:
@@ -225,7 +262,7 @@ def content_block(b: Block) -> dict[str, Any]:
         args = json.loads(b.text) if b.text.strip() else {}
     except ValueError:
         args = {}
-    return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": args if isinstance(args, dict) else {}}
+    return {"type": "tool_use", "id": tool_use_id(b), "name": b.name, "input": args if isinstance(args, dict) else {}}
 
 
 class Turn:
@@ -236,6 +273,11 @@ class Turn:
         self.id = f"msg_{uuid.uuid4().hex}"
         self.blocks = TurnBlocks()
         self.n_prompt = len(jobs[0].prompt.token_ids)
+        self.show_thinking = shows_thinking(req.thinking)
+        self._index: dict[int, int] = {}  # block index -> the index clients see (hidden blocks skipped)
+
+    def visible(self, b: Block) -> bool:
+        return b.kind != "reasoning" or self.show_thinking
 
     def stop(self, last: RequestOutput) -> tuple[str, str | None]:
         (c,) = last.outputs
@@ -262,7 +304,9 @@ class Turn:
     async def response(self) -> dict[str, Any]:
         last = await run_into_blocks(self.serving, self.jobs, self.blocks)
         return self.head(
-            [content_block(b) for b in self.blocks.blocks], self.stop(last), len(last.outputs[0].token_ids)
+            [content_block(b) for b in self.blocks.blocks if self.visible(b)],
+            self.stop(last),
+            len(last.outputs[0].token_ids),
         )
 
     # -- streaming -----------------------------------------------------------------------------
@@ -272,15 +316,18 @@ class Turn:
 
     def _render(self, events: list[Event]) -> Iterator[str]:
         for op, b, text in events:
+            if not self.visible(b):
+                continue
             if op == "open":
+                self._index[b.index] = len(self._index)
                 start = (
                     {"type": "thinking", "thinking": "", "signature": ""}
                     if b.kind == "reasoning"
                     else {"type": "text", "text": ""}
                     if b.kind == "text"
-                    else {"type": "tool_use", "id": b.call_id, "name": b.name, "input": {}}
+                    else {"type": "tool_use", "id": tool_use_id(b), "name": b.name, "input": {}}
                 )
-                yield self._event("content_block_start", index=b.index, content_block=start)
+                yield self._event("content_block_start", index=self._index[b.index], content_block=start)
             elif op == "delta":
                 delta = (
                     {"type": "thinking_delta", "thinking": text}
@@ -289,9 +336,9 @@ class Turn:
                     if b.kind == "text"
                     else {"type": "input_json_delta", "partial_json": text}
                 )
-                yield self._event("content_block_delta", index=b.index, delta=delta)
+                yield self._event("content_block_delta", index=self._index[b.index], delta=delta)
             else:
-                yield self._event("content_block_stop", index=b.index)
+                yield self._event("content_block_stop", index=self._index[b.index])
 
     async def stream(self) -> AsyncIterator[str]:
         yield self._event("message_start", message=self.head([], (None, None), 0))

@@ -69,6 +69,11 @@ class _SamplingRequest(RequestModel):
     user: StrictStr | None = None
     # Prefix-cache namespace: requests share cached prompt blocks only with the same salt.
     cache_salt: StrictStr | None = Field(None, min_length=1)
+    # vLLM's extensions: beam search is refused (400 naming the field), never ignored; token
+    # ids in the response; logprob tokens named "token_id:N" (also --return-tokens-as-token-ids).
+    use_beam_search: StrictBool = False
+    return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool | None = None
 
     _GEN_FIELDS = (
         "temperature",
@@ -107,6 +112,11 @@ class _SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM: `continuous_usage_stats` puts `usage` on every chunk, only with `include_usage`."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 PromptIds = list[StrictInt]
 
@@ -121,7 +131,6 @@ class CompletionRequest(_SamplingRequest):
     # vLLM's scoring extensions: the prompt's own logprobs, token ids in the response, and
     # keeping only the last N prompt tokens.
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    return_token_ids: StrictBool = False
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=1)
 
 
@@ -143,8 +152,15 @@ class _ChatTemplateFields(RequestModel):
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's types: `logprobs` is a lax bool ("true" is true); top_logprobs and prompt_logprobs
+    # take -1 (the whole vocabulary, then limited by --max-logprobs); server/chat_fields.py checks.
+    logprobs: bool | None = False
+    top_logprobs: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
+    echo: StrictBool = False  # with continue_final_message: the final message's text leads the answer
+    # Muse reasoning channel: after this many reasoning tokens the `to=self` message is ended
+    # and the answer begins (-1 or null: no limit).
+    thinking_token_budget: StrictInt | None = Field(None, ge=-1)
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     include_reasoning: StrictBool = True  # with --reasoning-parser: send message.reasoning
@@ -170,14 +186,15 @@ class DetokenizeRequest(RequestModel):
 # -- responses (plain dicts built by helpers keep the hot path cheap) ---------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage block; `prompt_tokens_details.cached_tokens` is the prompt tokens the
-    prefix cache served (the engine's count)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage block. `prompt_tokens_details` is null unless `cached_tokens` is given
+    (vLLM sends it only with --enable-prompt-tokens-details): then its `cached_tokens` is the
+    prompt tokens the prefix cache served (the engine's count)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
     }
 
 

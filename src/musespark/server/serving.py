@@ -10,7 +10,8 @@ Invariants:
   call them in a worker thread (`asyncio.to_thread`), never on the event loop.
 * Every `ValueError` raised while building a request becomes a 400 whose `param` is the
   error's own (`InvalidArgumentError.param`); no message text is parsed.
-* Streamed logprobs come from each step's `delta_logprobs`, never from the growing lists.
+* The streams themselves are server/streams.py; vLLM's chat extensions (logprob counts,
+  echo, beam search refusal) are server/chat_fields.py.
 * With an output parser (chat, `--reasoning-parser` / `--enable-auto-tool-choice`), the
   engine's output processor parses; this file only maps `delta_parsed` / `parsed` to
   `reasoning`, `content` and `tool_calls`, so streamed and non-streamed agree.
@@ -19,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,10 +29,19 @@ from ..engine.input_processor import ProcessedPrompt
 from ..engine.outputs import RequestOutput
 from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
+from . import streams
 from .async_engine import AsyncEngine
-from .chat_output import chat_finish_reason, chat_message, chat_usage, output_parser_factory, parsed_delta
+from .chat_fields import (
+    chat_logprob_counts,
+    chat_top,
+    echo_text,
+    final_prompt_limit,
+    prompt_logprobs_body,
+    refuse_beam_search,
+)
+from .chat_output import chat_finish_reason, chat_message, chat_usage, output_parser_factory
 from .constraints import request_constraint
-from .http import SSE_DONE, APIError, bad_request, error_body, sse
+from .http import APIError, bad_request
 from .logprobs import LogprobFormatter, scoring_fields
 from .protocol import (
     ChatCompletionRequest,
@@ -56,6 +65,8 @@ class ChatSettings:
     reasoning_effort_map: Mapping[str, str] = field(default_factory=dict)
     reasoning_parser: str | None = None  # --reasoning-parser
     tool_call_parser: str | None = None  # --tool-call-parser, when --enable-auto-tool-choice is on
+    enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,16 @@ class Job:
     prompt: ProcessedPrompt
     params: SamplingParams
     output_parser: Callable[[], MuseOutputParser] | None = None  # chat with --reasoning-parser / tools
+
+
+def _blame_response_format(err: APIError, rf_only: bool) -> APIError:
+    """A constraint that came from `response_format` (`rf_only`: the request gave no
+    structured_outputs) is blamed on it, not on the structured_outputs key it became."""
+    param = err.param or ""
+    if not rf_only or not param.startswith("structured_outputs"):
+        return err
+    where = "response_format.json_schema.schema" if param.endswith(".json") else "response_format"
+    return APIError(err.status, err.message.replace(param, where, 1), "response_format")
 
 
 class Serving:
@@ -85,8 +106,8 @@ class Serving:
         self.max_logprobs = max_logprobs  # --max-logprobs (-1: only the protocol's cap)
         self.max_sequences = max_sequences_per_request
         self.inputs = engine.input_processor
-        self.logprobs = LogprobFormatter(self.inputs.tokenizer)
         self.chat = chat or ChatSettings()
+        self.logprobs = LogprobFormatter(self.inputs.tokenizer, self.chat.return_tokens_as_token_ids)
 
     # -- request -> jobs (worker thread) ------------------------------------------------------
     def check_model(self, req: CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest) -> None:
@@ -94,7 +115,8 @@ class Serving:
         name = req.model
         if name is not None and name != self.model_name and name not in self.model_aliases:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
-        for key in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        keys = ("logprobs", "prompt_logprobs") if isinstance(req, CompletionRequest) else ()
+        for key in keys:
             n = getattr(req, key, None)
             if isinstance(n, int) and not isinstance(n, bool) and 0 <= self.max_logprobs < n:
                 raise APIError(400, f"{key} must be at most {self.max_logprobs} (--max-logprobs), got {n}", key)
@@ -102,7 +124,14 @@ class Serving:
             raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
 
     def _jobs(
-        self, base_id: str, prompts: list[ProcessedPrompt], fields: dict[str, Any], max_tokens: int | None, kind: str
+        self,
+        base_id: str,
+        prompts: list[ProcessedPrompt],
+        fields: dict[str, Any],
+        max_tokens: int | None,
+        kind: str,
+        param: str = "max_tokens",
+        rf_only: bool = False,
     ) -> list[Job]:
         if not prompts:
             raise APIError(400, "prompt must not be empty", "prompt")
@@ -112,16 +141,17 @@ class Serving:
         for i, prompt in enumerate(prompts):
             try:
                 self.inputs.validate_prompt(prompt.token_ids)
-                resolved = self.inputs.resolve_max_tokens(max_tokens, len(prompt.token_ids), kind)
+                resolved = self.inputs.resolve_max_tokens(max_tokens, len(prompt.token_ids), kind, param)
                 params = SamplingParams(**fields, max_tokens=resolved)
                 self.inputs.validate(prompt.token_ids, params)
             except ValueError as exc:
-                raise bad_request(exc) from None
+                raise _blame_response_format(bad_request(exc), rf_only) from None
             jobs.append(Job(base_id if len(prompts) == 1 else f"{base_id}-{i}", prompt, params))
         return jobs
 
     def completion_jobs(self, req: CompletionRequest) -> tuple[str, list[Job]]:
         self.check_model(req)
+        refuse_beam_search(req)
         if req.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
         raw = req.prompt
@@ -142,7 +172,8 @@ class Serving:
         except ValueError as exc:
             raise bad_request(exc) from None
         base = random_id("cmpl")
-        jobs = self._jobs(base, prompts, fields, req.max_tokens, "prompt")
+        rf_only = req.response_format is not None and req.structured_outputs is None
+        jobs = self._jobs(base, prompts, fields, req.max_tokens, "prompt", rf_only=rf_only)
         if req.echo:  # the echoed text of a token-id prompt is decoded here, off the event loop
             jobs = [replace(j, prompt=replace(j.prompt, text=self._prompt_text(j.prompt))) for j in jobs]
         return base, jobs
@@ -156,13 +187,15 @@ class Serving:
 
     def chat_jobs(self, req: ChatCompletionRequest) -> tuple[str, list[Job]]:
         self.check_model(req)
+        refuse_beam_search(req)
         if self.inputs.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "when using top_logprobs, logprobs must be set to true", "top_logprobs")
+        logprobs, prompt_logprobs = chat_logprob_counts(req, self.inputs.vocab_size, self.max_logprobs)
         prompt = replace(self._render_chat(req, req.messages, tool_choice=req.tool_choice), cache_salt=req.cache_salt)
         fields = req.sampling_fields(self.inputs.generation_defaults)
-        fields["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+        fields.update(logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        if req.thinking_token_budget is not None and req.thinking_token_budget >= 0:
+            fields["thinking_token_budget"] = req.thinking_token_budget
         parser = output_parser_factory(self.chat.reasoning_parser, self.chat.tool_call_parser, req)
         if parser is not None:
             fields["skip_special_tokens"] = False  # the parsers read the channel markers
@@ -177,7 +210,9 @@ class Serving:
         except ValueError as exc:
             raise bad_request(exc) from None
         base = random_id("chatcmpl")
-        jobs = self._jobs(base, [prompt], fields, req.requested_max_tokens, "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        rf_only = req.response_format is not None and req.structured_outputs is None
+        jobs = self._jobs(base, [prompt], fields, req.requested_max_tokens, "messages", param, rf_only)
         return base, [replace(job, output_parser=parser) for job in jobs]
 
     def _render_chat(
@@ -230,10 +265,8 @@ class Serving:
             ids = self._render_chat(req, req.messages, bool(req.add_special_tokens)).token_ids
         else:
             ids = self.inputs.tokenize(req.prompt, add_special_tokens=req.add_special_tokens is not False)
-        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.inputs.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = [self.inputs.tokenizer.id_to_token(t) for t in ids]
-        return body
+        strs = [self.inputs.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.inputs.max_model_len, "tokens": ids, "token_strs": strs}
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req)
@@ -299,6 +332,7 @@ class Serving:
         self, base: str, req: CompletionRequest, jobs: list[Job], finals: list[RequestOutput]
     ) -> dict[str, Any]:
         choices, n_prompt, n_out, n_cached = [], 0, 0, 0
+        fmt = self.logprobs.for_request(req.return_tokens_as_token_ids)
         for i, out in enumerate(finals):
             n_prompt += len(out.prompt_token_ids)
             n_cached += out.num_cached_tokens
@@ -308,7 +342,7 @@ class Serving:
                 choice = {
                     "index": i * req.n + c.index,
                     "text": text,
-                    "logprobs": self.logprobs.completion_choice(req, out, c.logprobs, c.token_ids, True),
+                    "logprobs": fmt.completion_choice(req, out, c.logprobs, c.token_ids, True),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 }
@@ -316,127 +350,42 @@ class Serving:
         return {
             **envelope("text_completion", base, self.model_name),
             "choices": choices,
-            "usage": usage(n_prompt, n_out, n_cached),
+            "usage": usage(n_prompt, n_out, self.cached_tokens(n_cached)),
         }
 
+    def cached_tokens(self, n: int) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens: only with --enable-prompt-tokens-details."""
+        return n if self.chat.enable_prompt_tokens_details else None
+
     def chat_response(self, base: str, req: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": chat_message(c, req.include_reasoning),
-                "logprobs": self.logprobs.chat(c.logprobs, c.token_ids),
-                "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls), req.tool_choice),
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
+        fmt, top, echo = self.logprobs.for_request(req.return_tokens_as_token_ids), chat_top(req), echo_text(req)
+        choices = []
+        for c in final.outputs:
+            message = chat_message(c, req.include_reasoning, req.tool_choice)
+            if echo:
+                message["content"] = echo + (message["content"] or "")
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": fmt.chat(c.logprobs, c.token_ids, top),
+                    "finish_reason": chat_finish_reason(c, bool(c.parsed and c.parsed.tool_calls), req.tool_choice),
+                    "stop_reason": c.stop_reason,
+                    "token_ids": list(c.token_ids) if req.return_token_ids else None,
+                }
+            )
         n_out = sum(len(c.token_ids) for c in final.outputs)
         return {
             **envelope("chat.completion", base, self.model_name),
             "choices": choices,
-            "usage": chat_usage(final, n_out),
+            "usage": chat_usage(final, n_out, self.cached_tokens(final.num_cached_tokens)),
+            "prompt_logprobs": prompt_logprobs_body(final.prompt_logprobs, final_prompt_limit(req)),
+            "prompt_token_ids": final.prompt_token_ids if req.return_token_ids else None,
         }
 
-    # -- streaming ---------------------------------------------------------------------------
-    async def completion_stream(self, base: str, req: CompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
-        created = int(time.time())
-        head = envelope("text_completion", base, self.model_name, created)
-        started: set[int] = set()
-        finished: set[int] = set()
-        offsets: dict[int, int] = {}
-        last: dict[int, RequestOutput] = {}
-        gen = self.run(jobs)
-        try:
-            async for i, out in gen:
-                last[i] = out
-                for c in out.outputs:
-                    index = i * req.n + c.index
-                    if index in finished or not (c.delta_token_ids or c.finish_reason):
-                        continue
-                    text = c.delta_text
-                    first = index not in started
-                    if req.echo and first:
-                        text = (out.prompt or "") + text
-                    started.add(index)
-                    lp = self.logprobs.completion_choice(req, out, c.delta_logprobs, c.delta_token_ids, first)
-                    if lp is not None:
-                        lp["text_offset"] = [o + offsets.get(index, 0) for o in lp["text_offset"]]
-                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-                    choice = {
-                        "index": index,
-                        "text": text,
-                        "logprobs": lp,
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
-                    if first:
-                        choice = scoring_fields(req, out, choice, [])
-                    if req.return_token_ids:
-                        choice["token_ids"] = list(c.delta_token_ids)
-                    if c.finish_reason:
-                        finished.add(index)
-                    yield sse({**head, "choices": [choice]})
-            if req.include_usage:
-                n_prompt = sum(len(o.prompt_token_ids) for o in last.values())
-                n_out = sum(len(c.token_ids) for o in last.values() for c in o.outputs)
-                n_cached = sum(o.num_cached_tokens for o in last.values())
-                yield sse({**head, "choices": [], "usage": usage(n_prompt, n_out, n_cached)})
-        except Exception as exc:
-            yield sse(error_body(f"generation failed: {exc}", 500))
-        finally:
-            await gen.aclose()
-        yield SSE_DONE
+    # -- streaming (server/streams.py) -------------------------------------------------------
+    def completion_stream(self, base: str, req: CompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
+        return streams.completion_stream(self, base, req, jobs)
 
-    async def chat_stream(self, base: str, req: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
-        created = int(time.time())
-        head = envelope("chat.completion.chunk", base, self.model_name, created)
-        started: set[int] = set()
-        finished: set[int] = set()
-        called: set[int] = set()  # choices that streamed a tool call
-        last: RequestOutput | None = None
-        gen = self.run(jobs)
-        try:
-            async for _, out in gen:
-                last = out
-                for c in out.outputs:
-                    if c.index in finished or not (c.delta_token_ids or c.finish_reason):
-                        continue
-                    if c.index not in started:  # the role goes out once the first token exists
-                        started.add(c.index)
-                        yield sse(
-                            {
-                                **head,
-                                "choices": [
-                                    {
-                                        "index": c.index,
-                                        "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ],
-                            }
-                        )
-                    if c.delta_parsed is None:
-                        delta = {"content": c.delta_text} if c.delta_text else {}
-                    else:
-                        delta = parsed_delta(c.delta_parsed, req.include_reasoning)
-                        if c.delta_parsed.tool_calls:
-                            called.add(c.index)
-                    choice = {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": self.logprobs.chat(c.delta_logprobs, c.delta_token_ids),
-                        "finish_reason": chat_finish_reason(c, c.index in called, req.tool_choice),
-                        "stop_reason": c.stop_reason,
-                    }
-                    if c.finish_reason:
-                        finished.add(c.index)
-                    yield sse({**head, "choices": [choice]})
-            if req.include_usage and last is not None:
-                n_out = sum(len(c.token_ids) for c in last.outputs)
-                yield sse({**head, "choices": [], "usage": chat_usage(last, n_out)})
-        except Exception as exc:
-            yield sse(error_body(f"generation failed: {exc}", 500))
-        finally:
-            await gen.aclose()
-        yield SSE_DONE
+    def chat_stream(self, base: str, req: ChatCompletionRequest, jobs: list[Job]) -> AsyncIterator[str]:
+        return streams.chat_stream(self, base, req, jobs)

@@ -32,7 +32,7 @@ TABLE = """
 --default-chat-template-kwargs                        value    ours
 --reasoning-effort-map                                value    ours
 --response-role                                       value    ignored: frontend option not implemented
---return-tokens-as-token-ids                          bool     ignored: frontend option not implemented
+--return-tokens-as-token-ids                          bool     ours
 --enable-auto-tool-choice                             bool     ours
 --exclude-tools-when-tool-choice-none                 bool     ignored: frontend option not implemented
 --tool-call-parser                                    value    ours
@@ -40,7 +40,7 @@ TABLE = """
 --tool-strict-level                                   value    ignored: frontend option not implemented
 --tool-server                                         value    ignored: frontend option not implemented
 --max-log-len                                         value    ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
---enable-prompt-tokens-details                        bool     ignored: usage.prompt_tokens_details is always reported
+--enable-prompt-tokens-details                        bool     ours
 --enable-per-request-metrics                          bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --enable-server-load-tracking                         bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --enable-force-include-usage                          bool     ignored: frontend option not implemented

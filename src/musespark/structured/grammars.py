@@ -141,10 +141,40 @@ def _optional(grammar: Any) -> Any:
     return xgr().Grammar.union(grammar, literal(""))
 
 
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _resolve(schema: Any, root: Mapping[str, Any]) -> Any:
+    """`schema` with a local `$ref` ("#/$defs/X", "#/definitions/X") at its top replaced by
+    what it points to in `root` (the schema's other keys kept); other schemas as they are."""
+    for _ in range(16):  # a chain of references, never a cycle
+        ref = schema.get("$ref") if isinstance(schema, Mapping) else None
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            return schema
+        target: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, Mapping) else None
+        if not isinstance(target, Mapping):
+            return schema
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+    return schema
+
+
+def _with_defs(schema: Any, root: Mapping[str, Any]) -> Any:
+    """A property's schema with the root's `$defs` / `definitions`, so that its references
+    resolve when it is compiled on its own."""
+    if not isinstance(schema, Mapping):
+        return schema
+    return {**{k: root[k] for k in _DEF_KEYS if k in root and k not in schema}, **schema}
+
+
 def atem_body(fn: Mapping[str, Any], compact: bool, param: str = "tools") -> Any:
-    """One ATEM call to `fn` (an OpenAI `function` object), parameters per its schema."""
+    """One ATEM call to `fn` (an OpenAI `function` object), parameters per its schema (local
+    `$ref`s into the schema's `$defs` resolve, at the root and in each property)."""
     name = fn["name"]
-    schema = fn.get("parameters") or {}
+    root = fn.get("parameters") or {}
+    schema = _resolve(root, root)
     props = schema.get("properties") or {}
     if not isinstance(props, Mapping):
         raise InvalidArgumentError(f"{param}: {name}.parameters.properties must be an object", param=param)
@@ -154,7 +184,12 @@ def atem_body(fn: Mapping[str, Any], compact: bool, param: str = "tools") -> Any
     for key in order:
         one = x_concat(
             literal(f'<atem:parameter name="{key}">'),
-            _value_grammar(props[key], param, compact, f"{param}: {name}.parameters.properties.{key}"),
+            _value_grammar(
+                _with_defs(_resolve(props[key], root), root),
+                param,
+                compact,
+                f"{param}: {name}.parameters.properties.{key}",
+            ),
             literal("</atem:parameter>\n"),
         )
         parts.append(one if key in required else _optional(one))
