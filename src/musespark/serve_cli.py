@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +16,20 @@ from .engine.args import EngineArgs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from .server.vllm_flags import EnableDisable, add_vllm_compat_args
+    from .cli_parsing import human_readable_int
+    from .server.vllm_flags import VLLM_GROUP, EnableDisable, add_vllm_compat_args
 
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        usage="musespark serve [MODEL] [--host H] [--port P] [flags; --help lists them]",
+        hidden_groups=(VLLM_GROUP,),
+    )
     EngineArgs.add_cli_args(p, model_positional=True)
     p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="MODEL, as a flag (vLLM's)")
-    p.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory", type=int, help="= --kv-cache-memory")
+    p.add_argument(
+        "--kv-cache-memory-bytes", dest="kv_cache_memory", type=human_readable_int, help="= --kv-cache-memory"
+    )
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="must be MODEL (its tokenizer is used)")
     p.add_argument(
         "--trust-remote-code",
@@ -29,14 +38,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="accepted (vLLM's); no checkpoint code is ever run",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0-65535; default 8000)")
+    p.add_argument(
+        "--uds", default=None, metavar="PATH", help="serve on this Unix domain socket instead of --host/--port"
+    )
+    p.add_argument(
+        "--root-path",
+        default=None,
+        metavar="PATH",
+        help="the path prefix a proxy adds (e.g. /llm): routes answer with and without it",
+    )
     p.add_argument(
         "--api-key",
         action="extend",
         nargs="+",
         default=None,
         help="require 'Authorization: "
-        "Bearer KEY' on /v1/*; several keys: any is accepted (default: $MUSESPARK_API_KEY)",
+        "Bearer KEY' on /v1/*; several keys: any is accepted (default: $VLLM_API_KEY, else $MUSESPARK_API_KEY)",
+    )
+    p.add_argument(
+        "--enable-force-include-usage",
+        action=EnableDisable,
+        default=False,
+        help="every streamed response ends with usage, as if stream_options.include_usage were set",
+    )
+    p.add_argument(
+        "--enable-server-load-tracking",
+        action=EnableDisable,
+        default=False,
+        help="count requests in flight and report them at /load",
+    )
+    p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action=EnableDisable,
+        default=False,
+        help="serve /tokenizer_info (the tokenizer's configuration and chat template)",
     )
     p.add_argument(
         "--served-model-name",
@@ -83,15 +119,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help="split reasoning channels into message.reasoning: muse (alias musespark1x)",
+        help="split reasoning channels into message.reasoning: muse (alias musespark1x), or none "
+        "(default: muse when the chat template is the Muse template, else none)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",
         action=EnableDisable,
-        default=False,
-        help="turn tool calls in the output into tool_calls (needs --tool-call-parser)",
+        default=None,
+        help="turn tool calls in the output into tool_calls (needs --tool-call-parser; default: on with "
+        "the Muse template, else off)",
     )
-    p.add_argument("--tool-call-parser", default=None, metavar="NAME", help="muse (alias musespark1x)")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="muse (alias musespark1x), or none (default: muse when the chat template is the Muse template)",
+    )
     p.add_argument(
         "--enable-log-requests",
         dest="log_requests",
@@ -187,6 +230,36 @@ class ServeSettings:
     port: int
     log_level: str
     generation_overrides: dict[str, Any]  # --override-generation-config, as SamplingParams fields
+    uds: str | None = None  # --uds: a Unix socket instead of host:port
+    parsers: Any = None  # parsers.defaults.ParserChoice: what runs, and whether Muse defaults were taken
+
+
+API_KEY_ENVS = ("VLLM_API_KEY", "MUSESPARK_API_KEY")  # read in this order when --api-key is not given
+
+
+def api_keys_of(flag: list[str] | None) -> tuple[str, ...]:
+    """--api-key's keys; without it, the first of API_KEY_ENVS that is set (vLLM reads
+    VLLM_API_KEY); empty: no key required."""
+    if flag:
+        return tuple(flag)
+    return next(((os.environ[name],) for name in API_KEY_ENVS if os.environ.get(name)), ())
+
+
+def resolve_parser_flags(args: argparse.Namespace, template: str | None) -> Any:
+    """The parsers `serve` runs with (parsers.defaults): the flags, or the Muse defaults when
+    the effective chat template (--chat-template, else the checkpoint's) is the Muse one."""
+    from pathlib import Path
+
+    from .engine.args import default_model_path
+    from .parsers.defaults import checkpoint_chat_template, resolve_parsers
+
+    if template is None:
+        try:
+            model = Path(args.model) if args.model is not None else default_model_path()
+        except ValueError:
+            model = None
+        template = checkpoint_chat_template(model) if model is not None else None
+    return resolve_parsers(template, args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
 
 
 def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
@@ -199,7 +272,15 @@ def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
 
     check_vllm_compat(args, log)
     vllm_model_flags(args)
-    api_keys = tuple(args.api_key) if args.api_key else tuple(filter(None, [os.environ.get("MUSESPARK_API_KEY")]))
+    api_keys = api_keys_of(args.api_key)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: a port is between 0 and 65535")
+    if args.uds is not None and not args.uds:
+        raise ValueError("--uds needs a socket path")
+    if args.root_path is not None and args.root_path and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
+    chat_template = load_chat_template(args.chat_template)
+    parsers = resolve_parser_flags(args, chat_template)
     overrides = parse_override_generation_config(args.override_generation_config, log)
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         log.warning(f"--max-logprobs {args.max_logprobs}: requests are still limited to {MAX_LOGPROBS} logprobs")
@@ -210,14 +291,14 @@ def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
         max_request_body_bytes=args.max_request_body_bytes,
         log_requests=args.log_requests,
         graceful_shutdown_s=args.shutdown_timeout,
-        chat_template=load_chat_template(args.chat_template),
+        chat_template=chat_template,
         default_chat_template_kwargs=parse_template_kwargs(
             args.default_chat_template_kwargs, "--default-chat-template-kwargs"
         ),
         reasoning_effort_map=parse_reasoning_effort_map(args.reasoning_effort_map),
-        reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=parsers.reasoning_parser,
+        tool_call_parser=parsers.tool_call_parser,
+        enable_auto_tool_choice=parsers.enable_auto_tool_choice,
         header_timeout_s=args.header_timeout,
         allowed_origins=allowed_origins(args.allowed_origins),
         forwarded_allow_ips=args.forwarded_allow_ips,
@@ -226,6 +307,10 @@ def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
         model_aliases=names[1:],
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
+        root_path=(args.root_path or "").rstrip("/"),
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     return ServeSettings(
         engine_args=EngineArgs.from_cli_args(args),
@@ -234,22 +319,38 @@ def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
         port=args.port,
         log_level=args.uvicorn_log_level,
         generation_overrides=overrides,
+        uds=args.uds,
+        parsers=parsers,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from .engine.llm_engine import LLMEngine
     from .server.api import serve
+    from .server.listen import bind, close_uds, listen_url
+    from .startup import serve_summary, weights_bar
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = resolve(args, logging.getLogger("musespark.server"))
-    engine = LLMEngine(settings.engine_args.create_engine_config())
-    server = settings.server
-    if server.chat_template is not None and engine.tokenizer is None:
-        raise ValueError("--chat-template needs a model with a tokenizer")
-    if settings.generation_overrides:
-        engine.input_processor.generation_defaults.update(settings.generation_overrides)
-        engine.input_processor.default_sampling_params()  # a bad value fails now, not per request
-    if not server.model_name:
-        server = dataclasses.replace(server, model_name=engine.model_path.name)
-    return serve(engine, server, host=settings.host, port=settings.port, log_level=settings.log_level)
+    # The address is taken before any weights load: a port in use fails in a second, not after the model.
+    sock = bind(settings.host, settings.port, settings.uds)
+    bar = weights_bar()
+    try:
+        engine = LLMEngine(settings.engine_args.create_engine_config(), progress=bar)
+        server = settings.server
+        if server.chat_template is not None and engine.tokenizer is None:
+            raise ValueError("--chat-template needs a model with a tokenizer")
+        if settings.generation_overrides:
+            engine.input_processor.generation_defaults.update(settings.generation_overrides)
+            engine.input_processor.default_sampling_params()  # a bad value fails now, not per request
+        if not server.model_name:
+            server = dataclasses.replace(server, model_name=engine.model_path.name)
+        url = listen_url(sock, settings.uds, https=server.ssl_certfile is not None) + server.root_path
+        print(serve_summary(engine, settings.parsers.describe(), url), file=sys.stderr, flush=True)
+    except BaseException:
+        if bar is not None:
+            bar.close()  # the error starts on a line of its own
+        sock.close()
+        close_uds(settings.uds)
+        raise
+    return serve(engine, server, log_level=settings.log_level, sock=sock)

@@ -42,8 +42,14 @@ class LLM:
             )
         args = EngineArgs(model=model, **engine_args)
         config = args.create_engine_config()  # every argument checked before the progress bar appears
-        progress = _progress_bar("Loading weights") if show_progress else None
-        self.engine = LLMEngine(config, progress=progress)
+        from ..startup import weights_bar
+
+        progress = weights_bar(force=True) if show_progress else None
+        try:
+            self.engine = LLMEngine(config, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()  # cleared: an error starts on a line of its own
         self._ids = itertools.count()
 
     @property
