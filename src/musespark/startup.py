@@ -54,6 +54,52 @@ def weights_bar(force: bool = False) -> ByteBar | None:
     return ByteBar("Loading weights") if force or progress_enabled() else None
 
 
+def iterations(n: int, desc: str) -> Any:
+    """range(n) with a progress bar on stderr when progress is on (benchmark iterations)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(range(n), desc=desc, file=sys.stderr, disable=not progress_enabled(), leave=False)
+
+
+class BuildNotice:
+    """What the first run prints while the C++ kernels compile: one line when the build
+    starts (with its expected duration), a ticking elapsed time on a terminal, one line with
+    the time it took. Always to stderr: a silent minute-long pause looks like a hang."""
+
+    def __init__(self, what: str, expected: str) -> None:
+        self.what, self.expected = what, expected
+
+    def __enter__(self) -> BuildNotice:
+        import threading
+        import time
+
+        self._start = time.perf_counter()
+        print(f"musespark: building {self.what} (first run only; {self.expected})...", file=sys.stderr, flush=True)
+        self._stop = threading.Event()
+        self._ticker = None
+        if sys.stderr.isatty() or os.environ.get(PROGRESS_ENV, "").strip() == "1":
+            self._ticker = threading.Thread(target=self._tick, daemon=True)
+            self._ticker.start()
+        return self
+
+    def _tick(self) -> None:
+        from tqdm.auto import tqdm
+
+        with tqdm(desc=f"building {self.what}", bar_format="{desc}: {elapsed}", file=sys.stderr, leave=False) as bar:
+            while not self._stop.wait(1.0):
+                bar.refresh()
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        import time
+
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2)
+        took = time.perf_counter() - self._start
+        outcome = "built" if kind is None else "build failed"
+        print(f"musespark: {self.what} {outcome} in {took:.0f} s", file=sys.stderr, flush=True)
+
+
 def _isa_path(backend: Any) -> str | None:
     ops = getattr(backend, "ops", None)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -273,3 +274,31 @@ def test_llm_chat_gives_the_parsed_view_beside_the_raw_text():
     )
     p = plain.outputs[0]
     assert p.content and p.content in p.text and p.content != p.text and p.tool_calls == []
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+def test_kernel_build_announces_itself_and_its_time(tmp_path, monkeypatch, capsys):
+    import torch.utils.cpp_extension as cpp_extension
+
+    from musespark.kernels import cpu
+
+    monkeypatch.setenv("MUSESPARK_CACHE", str(tmp_path))  # an empty cache: the build runs
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: None)  # the compiler's part, skipped
+    cpu._compile()
+    err = capsys.readouterr().err
+    assert "musespark: building the CPU kernels (first run only; about" in err
+    assert re.search(r"musespark: the CPU kernels built in \d+ s", err)
+
+
+def test_weight_loading_and_benchmark_iterations_show_progress():
+    env = {"MUSESPARK_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+    out = musespark("generate", "--max-tokens", "1", "--max-model-len", "64", "x", env=env)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"Loading weights: +\d+%.*\d+(\.\d+)?[kMG]?/\d+(\.\d+)?[kMG]", out.stderr), out.stderr[-500:]
+    bench = ["bench", "latency", "--input-len", "4", "--output-len", "2", "--batch-size", "1", "--num-iters", "2"]
+    out = musespark(*bench, "--num-iters-warmup", "1", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "Warmup iterations" in out.stderr and "Profiling iterations" in out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["benchmark"] == "latency"  # stdout stays clean
