@@ -160,7 +160,9 @@ class MuseParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         argv, keyword = normalize_argv(sys.argv[1:] if args is None else args)
-        if keyword is not None:
+        if keyword is not None or self._subparsers_present():
+            # The outermost parser sees `--help=KEYWORD` (or its absence) first; the sub-parser it
+            # hands the normalised argv to finds no keyword there and must not clear it.
             MuseParser.help_keyword = keyword
         ns, extras = super().parse_known_args(argv, namespace)
         if extras and not self._subparsers_present():

@@ -302,3 +302,12 @@ def test_weight_loading_and_benchmark_iterations_show_progress():
     assert out.returncode == 0, out.stderr
     assert "Warmup iterations" in out.stderr and "Profiling iterations" in out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["benchmark"] == "latency"  # stdout stays clean
+
+
+def test_help_keyword_does_not_stick_to_the_next_parse(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help=all"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--gpu-memory-utilization" not in capsys.readouterr().out
