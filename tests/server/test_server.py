@@ -101,9 +101,7 @@ class ServerProcess:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # No parsers: chat content is the raw text the offline engine gives (the Muse defaults off).
-    srv = ServerProcess(
-        tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY, *NO_PARSERS
-    )
+    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY, *NO_PARSERS)
     yield srv
     srv.stop()
 
