@@ -125,8 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"musespark {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: stop quietly, with the shell's status for SIGINT
+    except KeyboardInterrupt:  # Ctrl-C: stop quietly, with the shell's status for SIGINT (no traceback)
         print(file=sys.stderr, flush=True)  # end the line the interrupted output left open
+        if args.command == "serve":  # as uvicorn does once it has shut down: die of the signal itself
+            import atexit
+            import os
+            import signal
+
+            atexit._run_exitfuncs()  # what a normal exit runs first (the -tp workers' clean stop)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         return 130
     return 1
 
