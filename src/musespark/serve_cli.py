@@ -25,30 +25,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         usage="musespark serve [MODEL] [--host H] [--port P] [flags; --help lists them]",
         hidden_groups=(VLLM_GROUP,),
     )
-    EngineArgs.add_cli_args(p, model_positional=True)
-    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="MODEL, as a flag (vLLM's)")
-    p.add_argument(
+    # Groups `--help=engine` / `--help=frontend` show (vLLM's `--help=<group>`); the vLLM ones are `vllm`.
+    EngineArgs.add_cli_args(p.add_argument_group("engine", "the model and the engine"), model_positional=True)
+    front = p.add_argument_group("frontend", "the HTTP server")
+    front.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help="MODEL, as a flag (vLLM's)")
+    front.add_argument(
         "--kv-cache-memory-bytes", dest="kv_cache_memory", type=human_readable_int, help="= --kv-cache-memory"
     )
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="must be MODEL (its tokenizer is used)")
-    p.add_argument(
+    front.add_argument("--tokenizer", default=None, metavar="DIR", help="must be MODEL (its tokenizer is used)")
+    front.add_argument(
         "--trust-remote-code",
         action=EnableDisable,
         default=False,
         help="accepted (vLLM's); no checkpoint code is ever run",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0-65535; default 8000)")
-    p.add_argument(
+    front.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    front.add_argument("--port", type=int, default=8000, help="TCP port (0-65535; default 8000)")
+    front.add_argument(
         "--uds", default=None, metavar="PATH", help="serve on this Unix domain socket instead of --host/--port"
     )
-    p.add_argument(
+    front.add_argument(
         "--root-path",
         default=None,
         metavar="PATH",
         help="the path prefix a proxy adds (e.g. /llm): routes answer with and without it",
     )
-    p.add_argument(
+    front.add_argument(
         "--api-key",
         action="extend",
         nargs="+",
@@ -56,58 +58,58 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="require 'Authorization: "
         "Bearer KEY' on /v1/*; several keys: any is accepted (default: $VLLM_API_KEY, else $MUSESPARK_API_KEY)",
     )
-    p.add_argument(
+    front.add_argument(
         "--enable-force-include-usage",
         action=EnableDisable,
         default=False,
         help="every streamed response ends with usage, as if stream_options.include_usage were set",
     )
-    p.add_argument(
+    front.add_argument(
         "--enable-server-load-tracking",
         action=EnableDisable,
         default=False,
         help="count requests in flight and report them at /load",
     )
-    p.add_argument(
+    front.add_argument(
         "--enable-tokenizer-info-endpoint",
         action=EnableDisable,
         default=False,
         help="serve /tokenizer_info (the tokenizer's configuration and chat template)",
     )
-    p.add_argument(
+    front.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
         help="the model name clients send; "
         "several: the first is reported (default: MODEL as given, or the bundled model's directory name)",
     )
-    p.add_argument(
+    front.add_argument(
         "--max-logprobs",
         type=int,
         default=20,
         help="the most logprobs / top_logprobs a request may ask for (-1: no limit of ours)",
     )
-    p.add_argument(
+    front.add_argument(
         "--override-generation-config",
         default=None,
         metavar="JSON",
         help="sampling defaults "
         'over the checkpoint\'s generation config, e.g. \'{"temperature": 0.6, "max_new_tokens": 512}\'',
     )
-    p.add_argument(
+    front.add_argument(
         "--chat-template",
         default=None,
         help="a Jinja chat template file (or the template "
         "itself) replacing the checkpoint's (chat_template.jinja, else tokenizer_config.json's)",
     )
-    p.add_argument(
+    front.add_argument(
         "--default-chat-template-kwargs",
         default=None,
         metavar="JSON",
         help="template kwargs for every chat request, a JSON object; a request's "
         'chat_template_kwargs and fields override them (e.g. \'{"reasoning_strength": "low"}\')',
     )
-    p.add_argument(
+    front.add_argument(
         "--reasoning-effort-map",
         default=None,
         metavar="JSON",
@@ -115,71 +117,71 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "max) to the value the template receives as reasoning_effort and reasoning_strength "
         "(default: identity)",
     )
-    p.add_argument(
+    front.add_argument(
         "--reasoning-parser",
         default=None,
         metavar="NAME",
         help="split reasoning channels into message.reasoning: muse (alias musespark1x), or none "
         "(default: muse when the chat template is the Muse template, else none)",
     )
-    p.add_argument(
+    front.add_argument(
         "--enable-auto-tool-choice",
         action=EnableDisable,
         default=None,
         help="turn tool calls in the output into tool_calls (needs --tool-call-parser; default: on with "
         "the Muse template, else off)",
     )
-    p.add_argument(
+    front.add_argument(
         "--tool-call-parser",
         default=None,
         metavar="NAME",
         help="muse (alias musespark1x), or none (default: muse when the chat template is the Muse template)",
     )
-    p.add_argument(
+    front.add_argument(
         "--enable-log-requests",
         dest="log_requests",
         action=EnableDisable,
         default=True,
         help="log each request (default: on; --disable-log-requests turns it off)",
     )
-    p.add_argument(
+    front.add_argument(
         "--disable-fastapi-docs",
         action=EnableDisable,
         default=False,
         help="do not serve /docs, /redoc and /openapi.json",
     )
-    p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
-    p.add_argument(
+    front.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    front.add_argument(
         "--header-timeout",
         type=float,
         default=10.0,
         metavar="SECONDS",
         help="close a connection that has not sent a request's headers within this time",
     )
-    p.add_argument(
+    front.add_argument(
         "--shutdown-timeout",
         type=int,
         default=30,
         metavar="SECONDS",
         help="on SIGTERM/SIGINT, how long running requests may take to finish",
     )
-    p.add_argument(
+    front.add_argument(
         "--allowed-origins",
         default=None,
         metavar="JSON",
         help="browser origins allowed by CORS, a JSON list (e.g. '[\"https://app.example\"]'); "
         "default: none (vLLM's default is every origin)",
     )
-    p.add_argument(
+    front.add_argument(
         "--forwarded-allow-ips",
         default=None,
         metavar="IPS",
         help="proxies whose X-Forwarded-For/-Proto headers are trusted (comma-separated, or '*'); "
         "default: none, so a client's own X-Forwarded-For is never logged as its address",
     )
-    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key")
-    p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate")
-    p.add_argument(
+    front.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key")
+    front.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate")
+    front.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
     add_vllm_compat_args(p)  # every other `vllm serve` flag: ignored with a warning, or refused

@@ -109,6 +109,8 @@ def test_serve_help_shows_ours_and_the_vllm_flags_on_request(capsys):
     assert "--gpu-memory-utilization" in help_of("--help=all")
     group = help_of("--help=vllm")
     assert "--gpu-memory-utilization" in group and "--max-model-len" not in group
+    front = help_of("--help=frontend")  # vLLM's --help=<group> form, on our own groups too
+    assert "--uds" in front and "--max-model-len" not in front and "--gpu-memory-utilization" not in front
     found = help_of("--help=root_path")
     assert "--root-path" in found and "--max-model-len" not in found
     assert "No group or flag" in help_of("--help=nosuchflagxyz")
