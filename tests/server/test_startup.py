@@ -151,6 +151,8 @@ def test_skip_tokenizer_init_takes_and_returns_token_ids(tmp_path):
         assert r.choices[0].text == "" and r.usage.completion_tokens == 5 and r.usage.prompt_tokens == 4
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="musespark-tiny", prompt="text needs a tokenizer", max_tokens=2)
+        with pytest.raises(openai.BadRequestError):  # a chat template needs one too
+            client.chat.completions.create(model="musespark-tiny", messages=[{"role": "user", "content": "hi"}])
     finally:
         srv.stop()
 
