@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo serve test venv clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,12 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/musespark generate --max-tokens 64 "def fibonacci(n):"
 
+# A one-command server: the bundled model on loopback (127.0.0.1:8000, OpenAI-compatible), the
+# Muse reasoning and tool parsers on (the bundled chat template is the Muse one, so they are the
+# default). Progress shows while the kernels build on a first run. PORT=8001 make serve to move it.
+PORT ?= 8000
+serve: $(STAMP)
+	$(VENV)/bin/musespark serve --host 127.0.0.1 --port $(PORT)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 
 from . import generate_cli, plan_cli, serve_cli
+from .cli_parsing import MuseParser
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -98,7 +99,7 @@ def _run_quantize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="musespark", description="Serve and run Muse Spark 1x models.")
+    parser = MuseParser(prog="musespark", description="Serve and run Muse Spark 1x models.")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cli.add_parser(sub)
     serve_cli.add_parser(sub)
@@ -124,6 +125,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"musespark {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: stop quietly, with the shell's status for SIGINT (no traceback)
+        print(file=sys.stderr, flush=True)  # end the line the interrupted output left open
+        if args.command == "serve":  # as uvicorn does once it has shut down: die of the signal itself
+            import atexit
+            import os
+            import signal
+
+            atexit._run_exitfuncs()  # what a normal exit runs first (the -tp workers' clean stop)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        return 130
     return 1
 
 

@@ -380,6 +380,7 @@ class ModelSettings:
     seed: int | None
     generation_config: str  # "auto" | "vllm" | a directory (vLLM's --generation-config)
     nvfp4_mode: str  # NVFP4 checkpoints: "weight-only" | "w4a4"
+    skip_tokenizer_init: bool  # vLLM's: no tokenizer (token ids in, token ids out)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))

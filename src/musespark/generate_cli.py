@@ -16,7 +16,11 @@ GENERATE_MAX_TOKENS = 64
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate completions for one or more prompts")
+    p = sub.add_parser(
+        "generate",
+        help="generate completions for one or more prompts",
+        usage="musespark generate [flags; --help lists them] PROMPT [PROMPT ...]",
+    )
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     EngineArgs.add_cli_args(p, skip={"seed"})
     p.add_argument(

@@ -64,6 +64,7 @@ def test_create_engine_config_resolves_the_derived_defaults():
         seed=0,
         generation_config="auto",
         nvfp4_mode="weight-only",
+        skip_tokenizer_init=False,
     )
     assert config.scheduler.max_model_len == 4096 and config.scheduler.max_num_batched_tokens == 4096
     assert config.parallel == ParallelConfig(

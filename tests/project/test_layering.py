@@ -31,7 +31,9 @@ ROOT_UNIT = "__init__"
 #   the model's modules with their own Protocols (backends/modules.py), never model/.
 # * `layers` hold weights through the formats of `quant`; `kernels` take tensors only;
 #   `parallel` (rank state, collectives, process spawning) sits below every module that
-#   shards; `checkpoint` names and reads tensors; the leaves are plain settings and errors.
+#   shards; `checkpoint` names and reads tensors; `startup` draws progress (the kernel build's
+#   notice, the weight bar); the leaves are plain settings, the shared value parsers of the
+#   command line (`cli_parsing`) and errors.
 ORDER: list[tuple[str, ...]] = [
     ("__main__",),
     ("cli",),
@@ -48,8 +50,8 @@ ORDER: list[tuple[str, ...]] = [
     ("kernels",),
     ("parallel",),
     ("checkpoint",),
-    ("cpu_features", "hugepages"),
-    ("config", "sampling_params", "env"),
+    ("cpu_features", "hugepages", "startup"),
+    ("config", "sampling_params", "env", "cli_parsing"),
     ("errors",),
 ]
 

@@ -23,7 +23,9 @@ TASKS = "musespark_code_mc,musespark_code_gen"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("lmeval") / "server.log")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("lmeval") / "server.log", "--reasoning-parser", "none", "--tool-call-parser", "none"
+    )
     yield srv
     srv.stop()
 

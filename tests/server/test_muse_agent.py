@@ -237,7 +237,15 @@ async def _run_all(make_client, stream: bool) -> list[tuple[str, str, str]]:
 @pytest.fixture(scope="module")
 def plain_aclient(tmp_path_factory):
     """A server without the parsers: the grammar constrains the output from its first token."""
-    srv = ServerProcess(tmp_path_factory.mktemp("plain") / "server.log", "--max-model-len", "2048")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("plain") / "server.log",
+        "--max-model-len",
+        "2048",
+        "--reasoning-parser",
+        "none",
+        "--tool-call-parser",
+        "none",
+    )
     yield lambda: openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=300)
     srv.stop()
 

@@ -25,6 +25,8 @@ from musespark import LLM, SamplingParams
 MAX_MODEL_LEN = 256
 API_KEY = "test-key"
 MODEL_NAME = "musespark-tiny"
+# The bundled model's chat template is the Muse one, so serve turns the Muse parsers on by default.
+NO_PARSERS = ("--reasoning-parser", "none", "--tool-call-parser", "none")
 PROMPTS = [
     "Once upon a time",
     "def add(a, b):",
@@ -98,7 +100,8 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY)
+    # No parsers: chat content is the raw text the offline engine gives (the Muse defaults off).
+    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY, *NO_PARSERS)
     yield srv
     srv.stop()
 

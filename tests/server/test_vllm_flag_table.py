@@ -63,6 +63,8 @@ OURS_SAMPLES: dict[str, tuple[str, str, str]] = {
         "",
     ),
     "--shutdown-timeout": ("5", "6", ""),
+    "--uds": ("a.sock", "b.sock", ""),
+    "--root-path": ("/a", "/b", ""),
 }
 # ours on/off rows: the flags the `on` spelling needs beside it.
 OURS_BOOL_COMPANIONS = {"--enable-auto-tool-choice": "--tool-call-parser muse"}

@@ -102,7 +102,6 @@ def test_vllm_value_syntax_and_aliases():
         ("--distributed-executor-backend ray", "only mp (local workers) and external_launcher"),
         ("--enable-lora", "LoRA"),
         ("--middleware m.M", "middleware"),
-        ("--uds /tmp/s", "Unix domain sockets"),
     ],
 )
 def test_refused(line, message, capsys):

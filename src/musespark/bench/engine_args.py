@@ -53,6 +53,7 @@ def build_llm(args: argparse.Namespace, needed_len: int):
     import torch
 
     from ..engine.llm import LLM
+    from ..startup import progress_enabled
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -62,7 +63,7 @@ def build_llm(args: argparse.Namespace, needed_len: int):
     engine_args = dataclasses.replace(
         EngineArgs.from_cli_args(args), model=path, max_model_len=args.max_model_len or max(needed_len + 1, 64)
     )
-    llm = LLM(**vars(engine_args))
+    llm = LLM(**vars(engine_args), show_progress=progress_enabled())
     return llm, path
 
 

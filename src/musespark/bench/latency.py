@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from ..sampling_params import SamplingParams
+from ..startup import iterations
 from .common import percentiles, print_json
 from .engine_args import add_model_args, build_llm, model_info, random_prompt, spec_decode_summary
 
@@ -63,10 +64,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     prompts = [random_prompt(rng, args.input_len, engine.config.vocab_size) for _ in range(args.batch_size)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    for i in range(args.num_iters_warmup):
+    for i in iterations(args.num_iters_warmup, "Warmup iterations"):
         _one_batch(engine, prompts, params, f"warmup{i}")
     latencies, prefills, decode_steps = [], [], []
-    for i in range(args.num_iters):
+    for i in iterations(args.num_iters, "Profiling iterations"):
         total, prefill, steps = _one_batch(engine, prompts, params, f"iter{i}")
         latencies.append(total)
         prefills.append(prefill)

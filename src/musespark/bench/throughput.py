@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from ..sampling_params import SamplingParams
+from ..startup import iterations, progress_enabled
 from .common import parse_range, print_json
 from .engine_args import add_model_args, build_llm, model_info, random_prompt, spec_decode_summary
 
@@ -48,10 +49,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = make_workload(args.num_prompts, args.input_len, args.output_len, llm.engine.config.vocab_size, args.seed)
     prompts = [p for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
-    for _ in range(args.num_iters_warmup):
+    for _ in iterations(args.num_iters_warmup, "Warmup iterations"):
         llm.generate(prompts, params)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=progress_enabled())
     elapsed = time.perf_counter() - start
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -108,7 +108,7 @@ def read_state_dict(
     fixed dtype, else `dtype`. (The model's weight formats say what to read: see
     `model.load.load_model`.) Residual gates, the router weight and the expert bias stay
     float32 in any dtype. Tied embeddings share one tensor. `progress(done, total)` is
-    called after each tensor.
+    called after each tensor read, in bytes of the weight files (it ends at done == total).
     """
     path = Path(path)
     files = find_weight_files(path)
@@ -116,6 +116,8 @@ def read_state_dict(
     shapes = {name: spec.full_shape for name, spec in specs.items()}
     loaded: dict[str, torch.Tensor] = {}
     where: dict[str, Path] = {}
+    total_bytes = sum(f.stat().st_size for f in files)
+    done_bytes = 0
     for file in files:
         with SafetensorsFile(file) as st:
             for disk_name, entry in st.entries.items():
@@ -146,7 +148,10 @@ def read_state_dict(
                 loaded[name] = tensor.to(device)
                 where[name] = file
                 if progress is not None:
-                    progress(len(loaded), len(shapes))
+                    done_bytes += entry.end - entry.start
+                    progress(min(done_bytes, total_bytes), total_bytes)
+    if progress is not None:
+        progress(total_bytes, total_bytes)
 
     if LM_HEAD in shapes and LM_HEAD not in loaded and cfg.tie_word_embeddings and EMBED in loaded:
         loaded[LM_HEAD] = loaded[EMBED]  # tied: the head reuses the embedding matrix

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.loader import load_config
+from ..cli_parsing import human_readable_int, human_readable_int_or_auto
 from ..config import BACKENDS, CacheConfig, EngineConfig, ModelSettings, ParallelConfig, SchedulerConfig
 from ..errors import InvalidArgumentError
 from .spec_decode.config import SpeculativeConfig
@@ -56,16 +57,26 @@ def default_model_path() -> Path:
     return path
 
 
-# The derived defaults' bounds (see default_max_model_len, default_max_num_batched_tokens).
-MAX_MODEL_LEN_CAP = 4096
+# The derived defaults' bounds (see default_max_num_batched_tokens).
 BATCHED_TOKENS_FLOOR = 2048
 BATCHED_TOKENS_CAP = 8192
 
 
 def default_max_model_len(checkpoint_limit: int) -> int:
-    """`max_model_len` when not given: the checkpoint's `max_position_embeddings`, at most
-    MAX_MODEL_LEN_CAP."""
-    return min(checkpoint_limit, MAX_MODEL_LEN_CAP)
+    """`max_model_len` when not given: the checkpoint's own `max_position_embeddings` (vLLM's
+    rule; the KV cache must then hold one sequence of it, checked when it is sized)."""
+    return checkpoint_limit
+
+
+def check_max_model_len(max_model_len: int, checkpoint_limit: int) -> None:
+    """A `max_model_len` over the checkpoint's `max_position_embeddings` is refused (as vLLM
+    refuses it at start-up): positions past it were never trained."""
+    if max_model_len > checkpoint_limit:
+        raise InvalidArgumentError(
+            f"max_model_len={max_model_len} is greater than the model's max_position_embeddings="
+            f"{checkpoint_limit} (config.json); give --max-model-len {checkpoint_limit} or less",
+            param="max_model_len",
+        )
 
 
 def default_max_num_batched_tokens(max_model_len: int) -> int:
@@ -103,8 +114,9 @@ class EngineArgs:
         default=None,
         metadata={
             "cli": _flag(
-                f"longest sequence, prompt plus output (default: the checkpoint's limit, at most {MAX_MODEL_LEN_CAP})",
-                type=int,
+                "longest sequence, prompt plus output: an integer, vLLM's 32k / 1K forms, or 'auto' "
+                "(default: the checkpoint's max_position_embeddings)",
+                type=human_readable_int_or_auto,
             )
         },
     )
@@ -115,14 +127,18 @@ class EngineArgs:
             "cli": _flag(
                 f"most tokens in one step (default: max_model_len, clamped to [{BATCHED_TOKENS_FLOOR}, "
                 f"{BATCHED_TOKENS_CAP}])",
-                type=int,
+                type=human_readable_int,
             )
         },
     )
     block_size: int = field(default=16, metadata={"cli": _flag("tokens per KV cache block", type=int)})
     kv_cache_memory: int | None = field(
         default=None,
-        metadata={"cli": _flag("KV cache size in bytes (default: a fraction of available memory)", type=int)},
+        metadata={
+            "cli": _flag(
+                "KV cache size in bytes, e.g. 4G (default: a fraction of available memory)", type=human_readable_int
+            )
+        },
     )
     kv_cache_fraction: float = field(
         default=0.2,
@@ -181,6 +197,16 @@ class EngineArgs:
         },
     )
 
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata={
+            "cli": _flag(
+                "load no tokenizer: prompts must be token ids, outputs carry token ids and empty text",
+                action=argparse.BooleanOptionalAction,
+            )
+        },
+    )
+
     # -- the command line -------------------------------------------------------------------
     @classmethod
     def add_cli_args(
@@ -222,6 +248,8 @@ class EngineArgs:
         max_len = self.max_model_len
         if max_len is None:
             max_len = default_max_model_len(checkpoint.max_position_embeddings)
+        elif isinstance(max_len, int) and not isinstance(max_len, bool):
+            check_max_model_len(max_len, checkpoint.max_position_embeddings)
         batched = self.max_num_batched_tokens
         if batched is None and isinstance(max_len, int):
             batched = default_max_num_batched_tokens(max_len)
@@ -245,6 +273,7 @@ class EngineArgs:
                 seed=self.seed,
                 generation_config=self.generation_config,
                 nvfp4_mode=self.nvfp4_mode,
+                skip_tokenizer_init=self.skip_tokenizer_init,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -272,6 +301,7 @@ _CONFIG_FIELD = {
     "seed": ("model", "seed"),
     "generation_config": ("model", "generation_config"),
     "nvfp4_mode": ("model", "nvfp4_mode"),
+    "skip_tokenizer_init": ("model", "skip_tokenizer_init"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "enable_expert_parallel": ("parallel", "enable_expert_parallel"),

@@ -108,6 +108,7 @@ def plan_kv_cache(
     if num_blocks < per_seq:
         raise ValueError(
             f"kv_cache_memory={budget} bytes gives {num_blocks} KV blocks, but one sequence of "
-            f"max_model_len={max_model_len} needs {per_seq}; raise kv_cache_memory or lower max_model_len"
+            f"max_model_len={max_model_len} needs {per_seq}; lower max_model_len (--max-model-len) or raise "
+            "the KV cache size (--kv-cache-memory, --kv-cache-fraction)"
         )
     return KVPlan(num_blocks, slots, kv_heads, windows, lookahead, share)

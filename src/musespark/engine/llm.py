@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..parsers.defaults import is_muse_template
 from ..sampling_params import SamplingParams
 from .args import EngineArgs
 from .input_processor import ProcessedPrompt
@@ -42,8 +43,14 @@ class LLM:
             )
         args = EngineArgs(model=model, **engine_args)
         config = args.create_engine_config()  # every argument checked before the progress bar appears
-        progress = _progress_bar("Loading weights") if show_progress else None
-        self.engine = LLMEngine(config, progress=progress)
+        from ..startup import weights_bar
+
+        progress = weights_bar(force=True) if show_progress else None
+        try:
+            self.engine = LLMEngine(config, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()  # cleared: an error starts on a line of its own
         self._ids = itertools.count()
 
     @property
@@ -111,7 +118,11 @@ class LLM:
         `chat_template` (the template text; default: the checkpoint's) as HF's
         apply_chat_template does, then generate. `chat_template_kwargs` are extra template
         kwargs, overridden by `tools`, `documents`, `add_generation_prompt` and
-        `continue_final_message`. Everything is rendered and checked before anything runs."""
+        `continue_final_message`. Everything is rendered and checked before anything runs.
+
+        With the Muse chat template each finished `CompletionOutput` also carries the parsed
+        view the server gives (`.parsed`, and `.reasoning`, `.content`, `.tool_calls`);
+        `.text` stays the raw completion text."""
         processor = self.engine.input_processor
         if processor.tokenizer is None:
             raise InvalidArgumentError("this model has no tokenizer, so it has no chat template")
@@ -133,7 +144,11 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        template = chat_template if chat_template is not None else processor.tokenizer.chat_template
+        if is_muse_template(template):
+            _parse_muse(outputs, processor.tokenizer, tools)
+        return outputs
 
     # -- helpers ------------------------------------------------------------------
     def _submit(self, prompts: Prompt | Sequence[Prompt], sampling_params: Any) -> list[str]:
@@ -175,6 +190,20 @@ class LLM:
     def default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults, overridden by the checkpoint's generation_config.json."""
         return self.engine.input_processor.default_sampling_params()
+
+
+def _parse_muse(outputs: list[RequestOutput], tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
+    """Set `.parsed` on every completion: its tokens, markers kept, read by the Muse parser
+    (reasoning channel, answer, ATEM tool calls) as the server's parsers read them."""
+    from ..parsers import MuseOutputParser, assemble, tool_schemas_from_openai
+    from .chat import normalize_tools
+
+    names = tool_schemas_from_openai(normalize_tools(tools)) if tools else None
+    for out in outputs:
+        for c in out.outputs:
+            parser = MuseOutputParser(reasoning=True, tools=bool(tools), tool_names=names)
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
+            c.parsed = assemble([parser.feed(text), parser.finish(c.finish_reason)])
 
 
 def _progress_bar(desc: str, total: int | None = None):

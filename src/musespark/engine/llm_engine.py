@@ -66,8 +66,8 @@ class LLMEngine:
         checkpoint_eos = load_config(self.model_path).eos_token_id
         self.tokenizer = (
             Tokenizer.from_dir(self.model_path, extra_eos_ids=checkpoint_eos)
-            if (self.model_path / "tokenizer.json").is_file()
-            else None
+            if (self.model_path / "tokenizer.json").is_file() and not config.model.skip_tokenizer_init
+            else None  # no tokenizer: prompts are token ids and outputs token ids with empty text
         )
         extra_eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
         self.core = EngineCore(config, extra_eos_token_ids=extra_eos, progress=progress)

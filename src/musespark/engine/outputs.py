@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..parsers import ParsedDelta, ParsedMessage
+from ..parsers import ParsedDelta, ParsedMessage, ToolCall
 
 
 @dataclass
@@ -47,6 +47,19 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    # The parsed view (None / [] without a parser): what the server returns as reasoning, content, tool_calls.
+    @property
+    def reasoning(self) -> str | None:
+        return self.parsed.reasoning if self.parsed is not None else None
+
+    @property
+    def content(self) -> str | None:
+        return self.parsed.content if self.parsed is not None else None
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return list(self.parsed.tool_calls) if self.parsed is not None else []
 
 
 @dataclass

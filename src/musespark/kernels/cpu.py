@@ -290,6 +290,8 @@ def _build() -> Any:
 
 
 _AMX_CHILD_ENV = "MUSESPARK_AMX_CHECK_CHILD"
+# What the build notice promises (benchmarks/RESULTS.md: about 3 minutes of CPU on a fresh 2-core machine).
+BUILD_EXPECTED = "about 1-4 minutes, once per machine and torch version"
 _AMX_VERDICT = "amx_check.txt"
 
 
@@ -379,15 +381,18 @@ def _compile() -> Any:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        load(
-            name="musespark_cpu",
-            sources=[str(p) for p in _SOURCES],
-            build_directory=str(staging),
-            extra_cflags=list(_cflags()),
-            extra_ldflags=list(_LDFLAGS),
-            is_python_module=False,
-            verbose=False,
-        )
+        from ..startup import BuildNotice
+
+        with BuildNotice("the CPU kernels", BUILD_EXPECTED):
+            load(
+                name="musespark_cpu",
+                sources=[str(p) for p in _SOURCES],
+                build_directory=str(staging),
+                extra_cflags=list(_cflags()),
+                extra_ldflags=list(_LDFLAGS),
+                is_python_module=False,
+                verbose=False,
+            )
         try:
             os.rename(staging, final)
         except OSError:  # another process finished first: its library is as good as ours

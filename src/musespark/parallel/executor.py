@@ -10,6 +10,9 @@ Several machines: launch one process per rank with torchrun (or anything that se
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT); rank 0 serves, the others run worker loops (NCCL
 when CUDA is present, else gloo). Then the launcher, not the watchdog, watches the ranks.
 
+Signals: workers ignore SIGINT and SIGTERM (sent to the whole process group they reach every
+rank); rank 0 shuts down and stops them, so a group-wide SIGTERM is a clean exit (status 0).
+
 Faults: a watchdog thread on rank 0 polls spawned workers; when one exits, it logs which rank
 and its exit code, stops the others and ends this process with status 1 — a collective
 waiting on a dead peer would otherwise hang for ever. Workers die with their parent
@@ -65,7 +68,12 @@ def launched_externally() -> bool:
 def _worker(rank: int, world: int, port: int, config: Any, worker_loop: WorkerLoop) -> None:
     """A spawned worker rank: join the group, then run `worker_loop(config)`."""
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the engine, which stops us
+    # Ctrl-C and SIGTERM sent to the whole process group (a terminal, `timeout`, systemd, `kill -- -PGID`)
+    # are rank 0's to act on: it shuts down cleanly and broadcasts the stop that ends this loop. A
+    # worker dying of them first would look like a crashed rank; a dead rank 0 still takes us with it
+    # (PR_SET_PDEATHSIG).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(max(1, torch.get_num_threads() // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_TIMEOUT

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from . import messages, responses
 from .async_engine import AsyncEngine, EngineDeadError
 from .chat_output import check_parsers
 from .http import APIError, Preparation, SSEResponse, error_response, parse_body, until_disconnect, validation_error
+from .listen import close_uds
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .serving import ChatSettings, Serving
 from .transport import GuardMiddleware, header_timeout_protocol
@@ -72,6 +74,13 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     allowed_origins: tuple[str, ...] = ()
     forwarded_allow_ips: str | None = None
+    # vLLM's frontend switches: the path prefix a proxy adds (--root-path; "" none: routes answer
+    # with and without it), usage on every stream (--enable-force-include-usage), and the /load and
+    # /tokenizer_info endpoints (--enable-server-load-tracking, --enable-tokenizer-info-endpoint).
+    root_path: str = ""
+    enable_force_include_usage: bool = False
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes <= 0:
@@ -151,6 +160,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         config.chat_settings(),
         model_aliases=config.model_aliases,
         max_logprobs=config.max_logprobs,
+        force_include_usage=config.enable_force_include_usage,
     )
     prep = Preparation()
 
@@ -161,7 +171,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         async_engine.shutdown()
 
     no_docs = {} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="musespark", version=__version__, lifespan=lifespan, **no_docs)
+    app = FastAPI(title="musespark", version=__version__, lifespan=lifespan, root_path=config.root_path, **no_docs)
     app.state.async_engine = async_engine
     app.add_middleware(GuardMiddleware, config=config)
     if config.allowed_origins:  # outermost: preflights are answered before the key check
@@ -252,10 +262,16 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
 
 def serve(
-    engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+    engine: LLMEngine,
+    config: ServerConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    sock: socket.socket | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT: stop accepting, let running requests finish (at most
-    config.graceful_shutdown_s), stop the engine loop, return 0."""
+    config.graceful_shutdown_s), stop the engine loop, return 0. `sock`: an already bound
+    socket (TCP or Unix, server/listen.py) to serve on instead of host:port."""
     import uvicorn
 
     app = build_app(engine, config)
@@ -278,7 +294,9 @@ def serve(
     # makes that a clean exit (status 0) instead of death by SIGTERM.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock] if sock is not None else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if sock is not None and sock.family == socket.AF_UNIX:
+            close_uds(sock.getsockname())
     return 0 if server.started else 1

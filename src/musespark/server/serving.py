@@ -47,6 +47,7 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    StreamOptions,
     TokenizeRequest,
     envelope,
     random_id,
@@ -99,8 +100,10 @@ class Serving:
         *,
         model_aliases: tuple[str, ...] = (),
         max_logprobs: int = -1,
+        force_include_usage: bool = False,
     ) -> None:
         self.engine = engine
+        self.force_include_usage = force_include_usage  # --enable-force-include-usage
         self.model_name = model_name
         self.model_aliases = tuple(model_aliases)  # more names requests may use (--served-model-name)
         self.max_logprobs = max_logprobs  # --max-logprobs (-1: only the protocol's cap)
@@ -122,6 +125,9 @@ class Serving:
                 raise APIError(400, f"{key} must be at most {self.max_logprobs} (--max-logprobs), got {n}", key)
         if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
             raise APIError(400, "stream_options can only be given when stream is true", "stream_options")
+        if self.force_include_usage and getattr(req, "stream", False):
+            # vLLM's --enable-force-include-usage: usage as if the client asked for it, on every chunk too
+            req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
 
     def _jobs(
         self,

@@ -68,6 +68,15 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
     return HeaderTimeoutProtocol
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without the --root-path prefix when the request carries it
+    (`/llm/v1/models` and `/v1/models` are both /v1/models), as Starlette's router matches."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 def _is_json(content_type: bytes | None) -> bool:
     """application/json or application/*+json, parameters (charset=...) allowed."""
     if content_type is None:
@@ -103,7 +112,7 @@ class GuardMiddleware:
     @staticmethod
     def _refuse(scope: Scope, status: int, message: str) -> JSONResponse:
         """The error in the route's shape: Anthropic's on /v1/messages, else OpenAI's."""
-        if scope["path"].startswith("/v1/messages"):
+        if route_path(scope).startswith("/v1/messages"):
             return anthropic_error_response(status, message)
         return error_response(status, message)
 
@@ -111,7 +120,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._want is not None and scope["path"].startswith("/v1"):
+        if self._want is not None and route_path(scope).startswith("/v1"):
             if not self._authorized(headers.get(b"authorization", b""), headers.get(b"x-api-key")):
                 return await self._refuse(scope, 401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):

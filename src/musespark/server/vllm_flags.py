@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..cli_parsing import human_readable_int, human_readable_int_or_auto
 from .vllm_flags_table import BY_NAME, VLLM_SERVE_FLAGS, VllmFlag
 
 __all__ = [
     "BY_NAME",
     "CHECKS",
+    "VLLM_GROUP",
     "VLLM_SERVE_FLAGS",
     "EnableDisable",
     "VllmFlag",
@@ -72,39 +73,22 @@ class _Set(argparse.Action):
         setattr(namespace, self.dest, self.const)
 
 
-_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
-
-
-def human_readable_int(value: str) -> int:
-    """vLLM's integer syntax: 2048, 25.6k (k m g t: powers of 1000), 4G (K M G T: of 1024)."""
-    value = value.strip()
-    m = _HUMAN.fullmatch(value)
-    if m is None:
-        return int(value)
-    number, suffix = m.groups()
-    if suffix.islower():
-        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
-    if "." in number:
-        raise argparse.ArgumentTypeError(f"{value!r}: no decimals with a binary suffix ({suffix})")
-    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
-
-
-def human_readable_int_or_auto(value: str) -> int | None:
-    """As human_readable_int; 'auto' and -1 mean "derive it" (None)."""
-    return None if value.strip().lower() in ("auto", "-1") else human_readable_int(value)
-
-
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+# The title of the group holding vLLM's flags (`serve --help=vllm` shows it; plain --help hides it).
+VLLM_GROUP = "vllm"
 
 _NARGS = {"flag": 0, "optional": "?", "list": "+"}
 
 
 def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
     """Register every vLLM serve flag that is not ours (dest `vllm_*`, default None), the
-    vLLM spellings missing from our on/off flags, and vLLM's value syntax on ours
-    (`--max-model-len 32k|auto`, `--dtype half`). Call after the parser's own flags."""
+    vLLM spellings missing from our on/off flags, and vLLM's dtype aliases (`--dtype half`;
+    `--max-model-len 32k|auto` is EngineArgs' own syntax). Call after the parser's own flags."""
     known = parser._option_string_actions
-    group = parser.add_argument_group("vLLM flags accepted for compatibility (see musespark.server.vllm_flags)")
+    group = parser.add_argument_group(
+        VLLM_GROUP, "vLLM flags accepted for compatibility: each is ours, ignored with a warning, or refused"
+    )
     for flag in VLLM_SERVE_FLAGS:
         on, off = flag.option_strings()
         if flag.action == "ours":
@@ -132,14 +116,6 @@ def add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
             if flag.kind == "optional":
                 kwargs["const"] = True
             group.add_argument(*on, nargs=_NARGS.get(flag.kind), **kwargs)
-    for name, parse in (
-        ("--max-model-len", human_readable_int_or_auto),
-        ("--max-num-batched-tokens", human_readable_int),
-        ("--kv-cache-memory", human_readable_int),
-        ("--kv-cache-memory-bytes", human_readable_int),
-    ):
-        if name in known:
-            known[name].type = parse
     if "--dtype" in known:
         known["--dtype"].type = lambda v: _DTYPE_ALIASES.get(v, v)
 

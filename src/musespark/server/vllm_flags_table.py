@@ -42,10 +42,10 @@ TABLE = """
 --max-log-len                                         value    ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --enable-prompt-tokens-details                        bool     ours
 --enable-per-request-metrics                          bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
---enable-server-load-tracking                         bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
---enable-force-include-usage                          bool     ignored: frontend option not implemented
+--enable-server-load-tracking                         bool     ours
+--enable-force-include-usage                          bool     ours
 --sse-keep-alive-interval                             value    ignored: frontend option not implemented
---enable-tokenizer-info-endpoint                      bool     ignored: frontend option not implemented
+--enable-tokenizer-info-endpoint                      bool     ours
 --enable-log-outputs                                  bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --enable-log-deltas                                   bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --cohere-is-reasoning-model                           bool     ignored: frontend option not implemented
@@ -63,7 +63,7 @@ TABLE = """
 --dp-supervisor-probe-interval-s                      value    ignored: multi-process/multi-node serving is not implemented (one process here)
 --dp-supervisor-probe-timeout-s                       value    ignored: multi-process/multi-node serving is not implemented (one process here)
 --dp-supervisor-probe-failure-threshold               value    ignored: multi-process/multi-node serving is not implemented (one process here)
---uds                                                 value    refused: Unix domain sockets are not supported; use --host/--port
+--uds                                                 value    ours
 --uvicorn-log-level                                   value    ours
 --disable-uvicorn-access-log                          bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --disable-access-log-for-endpoints                    value    ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
@@ -78,7 +78,7 @@ TABLE = """
 --enable-ssl-refresh                                  bool     ignored: TLS settings beyond --ssl-keyfile and --ssl-certfile are not implemented
 --ssl-cert-reqs                                       value    refused: client-certificate (mTLS) authentication is not implemented
 --ssl-ciphers                                         value    ignored: TLS settings beyond --ssl-keyfile and --ssl-certfile are not implemented
---root-path                                           value    ignored: frontend option not implemented
+--root-path                                           value    ours
 --middleware                                          append   refused: custom ASGI middleware is not loaded (it may be an access control)
 --enable-request-id-headers                           bool     ignored: frontend option not implemented
 --disable-fastapi-docs                                bool     ours
@@ -113,7 +113,7 @@ TABLE = """
 --enable-trace-replay                                 bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --disable-sliding-window                              bool     ignored: frontend option not implemented
 --disable-cascade-attn                                bool     ignored: GPU-only setting (this engine runs on CPU)
---skip-tokenizer-init                                 bool     refused: the server always tokenizes and detokenizes
+--skip-tokenizer-init                                 bool     ours
 --enable-prompt-embeds                                bool     ignored: frontend option not implemented
 --served-model-name                                   list     ours
 --config-format                                       value    ignored: weights are always loaded from MODEL's safetensors
