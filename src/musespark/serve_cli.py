@@ -105,6 +105,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=False,
         help="do not serve /docs, /redoc and /openapi.json",
     )
+    p.add_argument(
+        "--enable-server-load-tracking",
+        action=EnableDisable,
+        default=False,
+        help="count in-flight requests for GET /load (without it /load reports 0)",
+    )
+    p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action=EnableDisable,
+        default=False,
+        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)",
+    )
     p.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     p.add_argument(
         "--header-timeout",
@@ -226,6 +238,8 @@ def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
         model_aliases=names[1:],
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
     )
     return ServeSettings(
         engine_args=EngineArgs.from_cli_args(args),

@@ -77,11 +77,11 @@ def _is_json(content_type: bytes | None) -> bool:
 
 
 class GuardMiddleware:
-    """API key on /v1/* (constant-time compare with each key; the `Bearer` scheme in any case), JSON-only
-    POST bodies (415 otherwise: a web page cannot make a browser send JSON cross-origin
-    without a CORS preflight), and the request body limit (from Content-Length, then while
-    reading). The body is buffered and replayed to the app; later receive() calls
-    (disconnect detection) go to the server."""
+    """API key on /v1/* and /inference/* (vLLM's guarded prefixes; constant-time compare with
+    each key; the `Bearer` scheme in any case), JSON-only POST bodies (415 otherwise: a web
+    page cannot make a browser send JSON cross-origin without a CORS preflight), and the
+    request body limit (from Content-Length, then while reading). The body is buffered and
+    replayed to the app; later receive() calls (disconnect detection) go to the server."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app, self.config = app, config
@@ -111,7 +111,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._want is not None and scope["path"].startswith("/v1"):
+        if self._want is not None and scope["path"].startswith(("/v1", "/inference")):
             if not self._authorized(headers.get(b"authorization", b""), headers.get(b"x-api-key")):
                 return await self._refuse(scope, 401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):

@@ -42,10 +42,10 @@ TABLE = """
 --max-log-len                                         value    ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --enable-prompt-tokens-details                        bool     ignored: usage.prompt_tokens_details is always reported
 --enable-per-request-metrics                          bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
---enable-server-load-tracking                         bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
+--enable-server-load-tracking                         bool     ours
 --enable-force-include-usage                          bool     ignored: frontend option not implemented
 --sse-keep-alive-interval                             value    ignored: frontend option not implemented
---enable-tokenizer-info-endpoint                      bool     ignored: frontend option not implemented
+--enable-tokenizer-info-endpoint                      bool     ours
 --enable-log-outputs                                  bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --enable-log-deltas                                   bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --cohere-is-reasoning-model                           bool     ignored: frontend option not implemented
@@ -53,7 +53,7 @@ TABLE = """
 --anthropic-disabled-thinking-effort                  value    ignored: frontend option not implemented
 --log-error-stack                                     bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --tokens-only                                         bool     refused: the server always tokenizes and detokenizes
---enable-scale-out                                    bool     ignored: multi-process/multi-node serving is not implemented (one process here)
+--enable-scale-out                                    bool     ignored: the render and token-in/token-out endpoints (/v1/*/render, /inference/v1/generate) are always on
 --fingerprint-mode                                    value    ignored: frontend option not implemented
 --fingerprint-value                                   value    ignored: frontend option not implemented
 --host                                                value    ours
