@@ -32,7 +32,7 @@ def spec_metrics(url: str) -> tuple[dict[str, float], dict[int, float]]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     totals = {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r"^(vllm:spec_decode_num_\w+?_total)\{[^}]*model_name=\"[^\"]*\"[^}]*\} (\S+)$", text, re.M)
+        for m in re.finditer(r"^(vllm:spec_decode_num_\w+?_total)\{[^}]*model_name=[^}]*\} (\S+)$", text, re.M)
     }
     per_pos = {
         int(m.group(1)): float(m.group(2))
