@@ -77,15 +77,13 @@ def test_batch_chat_refuses_what_it_cannot_do(server, extra, param):
 
 
 def test_invocations_routes_by_body_shape(server, client):
-    chat = httpx.post(
-        f"{server.url}/invocations", json={"messages": CHAT, "max_tokens": 4, "temperature": 0}, timeout=60
-    )
+    chat = post(server, "/invocations", {"messages": CHAT, "max_tokens": 4, "temperature": 0})
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
     direct = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=4, temperature=0)
     assert chat.json()["choices"][0]["message"]["content"] == direct.choices[0].message.content
-    cmpl = httpx.post(f"{server.url}/invocations", json={"prompt": "def f(x):", "max_tokens": 3}, timeout=60)
+    cmpl = post(server, "/invocations", {"prompt": "def f(x):", "max_tokens": 3})
     assert cmpl.status_code == 200 and cmpl.json()["object"] == "text_completion", cmpl.text
-    bad = httpx.post(f"{server.url}/invocations", json={"input": "hi"}, timeout=60)
+    bad = post(server, "/invocations", {"input": "hi"})
     assert bad.status_code == 400
     assert "Expected one of: ['ChatCompletionRequest', 'CompletionRequest']" in bad.json()["error"]["message"]
     assert httpx.get(f"{server.url}/ping").status_code == 200
@@ -163,8 +161,10 @@ def test_generate_refusals_name_the_field(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_inference_routes_need_the_api_key(server):
+def test_inference_routes_and_invocations_need_the_api_key(server):
     r = httpx.post(f"{server.url}/inference/v1/generate", json={"token_ids": [1], "sampling_params": {}}, timeout=30)
+    assert r.status_code == 401
+    r = httpx.post(f"{server.url}/invocations", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
     assert r.status_code == 401
 
 

@@ -76,8 +76,13 @@ def _is_json(content_type: bytes | None) -> bool:
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
+# Paths that need the API key: vLLM's /v1 and /inference, and /invocations, which vLLM leaves
+# open although it runs the same requests as /v1 (a key that a route ignores protects nothing).
+_GUARDED = ("/v1", "/inference", "/invocations")
+
+
 class GuardMiddleware:
-    """API key on /v1/* and /inference/* (vLLM's guarded prefixes; constant-time compare with
+    """API key on /v1/*, /inference/* and /invocations (`_GUARDED`; constant-time compare with
     each key; the `Bearer` scheme in any case), JSON-only POST bodies (415 otherwise: a web
     page cannot make a browser send JSON cross-origin without a CORS preflight), and the
     request body limit (from Content-Length, then while reading). The body is buffered and
@@ -111,7 +116,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._want is not None and scope["path"].startswith(("/v1", "/inference")):
+        if self._want is not None and scope["path"].startswith(_GUARDED):
             if not self._authorized(headers.get(b"authorization", b""), headers.get(b"x-api-key")):
                 return await self._refuse(scope, 401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):
