@@ -51,8 +51,16 @@ _VLLM_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "flat_logprobs": (False,),
     "logprob_token_ids": (None,),
     "prompt_logprob_token_ids": (None,),
+    "prompt_logprob_start": (None,),
     "thinking_token_budget": (None,),
     "skip_clone": (False,),
+    "watermarking": (None, False),
+    "stream_interval": (None, 1),
+    "output_text_buffer_length": (0,),
+    "skip_reading_prefix_cache": (None, False),
+    "repetition_detection": (None,),
+    "routed_experts_prompt_start": (0,),
+    "trace_decode_token_ids": (None,),
 }
 
 
