@@ -124,6 +124,7 @@ def test_generate_runs_a_rendered_request_as_the_route_would(server, client):
     assert out["usage"]["completion_tokens"] == len(want.choices[0].token_ids)
     text = post(server, "/inference/v1/generate", {**rendered, "output_mode": "text"}).json()
     assert text["choices"][0]["text"] == want.choices[0].text
+    assert text["request_id"] == out["request_id"]  # the same request_id may be sent again
 
 
 def test_generate_streams_token_deltas(server):

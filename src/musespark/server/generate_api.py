@@ -128,7 +128,8 @@ class TokenGeneration:
         except ValueError as exc:
             raise bad_request(exc) from None
         prompt = ProcessedPrompt(None, list(req.token_ids), req.cache_salt)
-        return Job(f"generate-tokens-{req.request_id}", prompt, params)
+        # The engine's id is made unique: clients choose request_id and may reuse one.
+        return Job(f"{_response_id(req)}-{uuid.uuid4().hex[:8]}", prompt, params)
 
     # -- bodies ----------------------------------------------------------------------------
     def _logprobs(self, req: GenerateRequest, c: CompletionOutput, entries: Any, ids: list[int]) -> Any:
@@ -171,7 +172,7 @@ class TokenGeneration:
         n_prompt = len(final.prompt_token_ids)
         n_out = sum(len(c.token_ids) for c in final.outputs)
         return {
-            "request_id": job.request_id,
+            "request_id": _response_id(req),
             "model": self.serving.model_name,
             "created": int(time.time()),
             "usage": _usage(n_prompt, n_out),
@@ -200,7 +201,7 @@ class TokenGeneration:
                     generated[c.index] = len(c.token_ids)
                     if not (c.delta_token_ids or c.finish_reason is not None or (text and c.delta_text)):
                         continue
-                    chunk: dict[str, Any] = {"request_id": job.request_id, "usage": None}
+                    chunk: dict[str, Any] = {"request_id": _response_id(req), "usage": None}
                     if continuous:
                         chunk["usage"] = _usage(n_prompt, generated[c.index])
                     if send_prompt_ids:
@@ -210,12 +211,17 @@ class TokenGeneration:
                     yield sse(chunk)
             if include_usage:
                 usage = _usage(n_prompt, sum(generated))
-                yield sse({"request_id": job.request_id, "usage": usage, "output_mode": req.output_mode, "choices": []})
+                rid = _response_id(req)
+                yield sse({"request_id": rid, "usage": usage, "output_mode": req.output_mode, "choices": []})
         except Exception as exc:
             yield sse(error_body(f"generation failed: {exc}", 500))
         finally:
             await gen.aclose()
         yield SSE_DONE
+
+
+def _response_id(req: GenerateRequest) -> str:
+    return f"generate-tokens-{req.request_id}"
 
 
 def _entry(token: int, lp: Logprob) -> dict[str, Any]:
