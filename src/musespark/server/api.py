@@ -207,7 +207,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         }
 
     def orca(request: Request) -> dict[str, str]:
-        return orca_headers_for(request.headers, async_engine.metrics.load_report())
+        return orca_headers_for(request.headers, async_engine.metrics.load_report)
 
     async def run_completion(request: Request, req: CompletionRequest) -> Response:
         base, jobs = await prep.run(serving.completion_jobs, req)

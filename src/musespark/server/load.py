@@ -11,7 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -74,7 +74,10 @@ def orca_header(fmt: str, named_metrics: list[tuple[str, float]]) -> dict[str, s
     return {}
 
 
-def orca_headers_for(request_headers: Mapping[str, str], named_metrics: list[tuple[str, float]]) -> dict[str, str]:
-    """The ORCA header when the request asks for one (`endpoint-load-metrics-format`)."""
+def orca_headers_for(
+    request_headers: Mapping[str, str], named_metrics: Callable[[], list[tuple[str, float]]]
+) -> dict[str, str]:
+    """The ORCA header when the request asks for one (`endpoint-load-metrics-format`); the
+    metrics are read only then."""
     fmt = request_headers.get(ORCA_FORMAT_HEADER, "")
-    return orca_header(fmt, named_metrics) if fmt else {}
+    return orca_header(fmt, named_metrics()) if fmt else {}
