@@ -21,6 +21,8 @@ HISTOGRAMS = (
     "vllm:request_generation_tokens",
     "vllm:request_params_n",
     "vllm:request_params_max_tokens",
+    "vllm:request_max_num_generation_tokens",
+    "vllm:request_time_per_output_token_seconds",
     "vllm:request_queue_time_seconds",
     "vllm:request_inference_time_seconds",
     "vllm:request_prefill_time_seconds",
@@ -81,9 +83,13 @@ def test_families_have_vllms_types_labels_and_buckets(server):
 
 def test_request_metrics_move_with_requests(server, client):
     before = scrape(server.url)
-    out = client.completions.create(model=MODEL_NAME, prompt="def add(a, b):", max_tokens=7, n=2, temperature=1.0)
+    to_the_end = {"ignore_eos": True}
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="def add(a, b):", max_tokens=7, n=2, temperature=1.0, extra_body=to_the_end
+    )
+    hi = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+        model=MODEL_NAME, messages=hi, max_tokens=3, temperature=0, extra_body=to_the_end
     )
     after = scrape(server.url)
 
@@ -97,7 +103,10 @@ def test_request_metrics_move_with_requests(server, client):
     assert delta("vllm:request_params_n", "_count") == 2 and delta("vllm:request_params_n", "_sum") == 3
     assert delta("vllm:request_params_max_tokens", "_count") == sequences
     assert delta("vllm:request_params_max_tokens", "_sum") == 2 * 7 + 3
-    for family in HISTOGRAMS[5:]:
+    assert delta("vllm:request_max_num_generation_tokens", "_count") == 2
+    assert delta("vllm:request_max_num_generation_tokens", "_sum") == 7 + 3  # ignore_eos: each runs to max_tokens
+    assert delta("vllm:request_time_per_output_token_seconds", "_count") == sequences
+    for family in HISTOGRAMS[7:]:
         assert delta(family, "_count") == sequences, family
     assert delta("vllm:request_inference_time_seconds", "_sum") >= delta("vllm:request_decode_time_seconds", "_sum")
     assert delta("vllm:request_inference_time_seconds", "_sum") >= delta("vllm:request_prefill_time_seconds", "_sum")

@@ -257,7 +257,7 @@ class AsyncEngine:
                 last_token=stream.last_token,
             )
             self.metrics.request_finished(seq, now)
-        self.metrics.request_params(stream.n)
+        self.metrics.request_params(stream.n, max((len(c.token_ids) for c in out.outputs), default=0))
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):

@@ -149,6 +149,16 @@ class ServerMetrics:
         self.params_n = histogram(
             "vllm:request_params_n", "Histogram of the n request parameter.", buckets.REQUEST_PARAMS_N
         )
+        self.max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            buckets.INTER_TOKEN_LATENCY,
+        )
         self.params_max_tokens = histogram(
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
         )
@@ -188,9 +198,11 @@ class ServerMetrics:
         """One engine step computed `tokens` tokens (prompt tokens prefilled + tokens generated)."""
         self.iteration_tokens.observe(tokens)
 
-    def request_params(self, n: int) -> None:
-        """A request (all its n sequences) finished."""
+    def request_params(self, n: int, max_generation_tokens: int) -> None:
+        """A request (all its n sequences) finished; its longest sequence generated
+        `max_generation_tokens` tokens."""
         self.params_n.observe(n)
+        self.max_generation_tokens.observe(max_generation_tokens)
 
     def request_finished(self, seq: FinishedSequence, now: float) -> None:
         """One sequence finished (vLLM counts each of a request's n sequences)."""
@@ -207,6 +219,9 @@ class ServerMetrics:
                 self.prefill_time.observe(max(0.0, seq.first_token - seq.scheduled))
                 self.decode_time.observe(max(0.0, seq.last_token - seq.first_token))
                 self.inference_time.observe(max(0.0, seq.last_token - seq.scheduled))
+        if seq.first_token is not None and seq.last_token is not None:  # mean decode gap, 0 for one token
+            gaps = seq.generation_tokens - 1
+            self.request_tpot.observe((seq.last_token - seq.first_token) / gaps if gaps > 0 else 0.0)
 
     def token_gap(self, seconds: float) -> None:
         self.itl.observe(seconds)
