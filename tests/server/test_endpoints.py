@@ -162,6 +162,36 @@ def test_generate_refusals_name_the_field(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+async def _abort_mid_stream(url: str) -> tuple[list[dict], int, float]:
+    body = {
+        "request_id": "abort-me",
+        "token_ids": [1, 2, 3],
+        "sampling_params": {"max_tokens": 200, "ignore_eos": True},
+        "stream": True,
+    }
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{url}/inference/v1/generate", json=body, headers=AUTH) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                lines.append(line)
+                if len(lines) == 1:
+                    ab = await http.post(
+                        f"{url}/inference/v1/abort_requests",
+                        json={"request_ids": ["generate-tokens-abort-me"]},
+                        headers=AUTH,
+                    )
+        missing = await http.post(f"{url}/inference/v1/abort_requests", json={}, headers=AUTH)
+    return parse_sse(lines), ab.status_code, missing.status_code
+
+
+def test_abort_requests_ends_a_running_generation(server):
+    chunks, status, missing = asyncio.run(_abort_mid_stream(server.url))
+    assert status == 200 and missing == 400
+    finals = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert finals == ["abort"]
+    assert sum(len(ch["token_ids"]) for c in chunks for ch in c["choices"]) < 200
+
+
 def test_inference_routes_and_invocations_need_the_api_key(server):
     r = httpx.post(f"{server.url}/inference/v1/generate", json={"token_ids": [1], "sampling_params": {}}, timeout=30)
     assert r.status_code == 401

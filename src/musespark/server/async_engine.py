@@ -216,6 +216,7 @@ class AsyncEngine:
         if aborted is not None and stream is not None:
             stream.scheduled = stream.scheduled or aborted.scheduled_time
             self._observe_end(stream, aborted)
+            _send(stream, aborted)  # a consumer still listening (a server-side abort) gets the end
             if self.log_requests:
                 logger.info("aborted request %s", request_id)
 

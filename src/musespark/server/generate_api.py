@@ -1,13 +1,16 @@
 """/inference/v1/generate: vLLM's token-in/token-out API. A request gives prompt token ids
 and `sampling_params` (the body /v1/*/render returns); the answer gives generated token
 ids (`output_mode: "tokens"`, the default) or also their text (`"text"`), as one JSON body
-or, with `stream`, server-sent events ending in `data: [DONE]`.
+or, with `stream`, server-sent events ending in `data: [DONE]`. POST
+/inference/v1/abort_requests `{"request_ids": [...]}` aborts running ones (their answer
+ends with finish_reason "abort").
 
 Invariants:
 * `sampling_params` keys are SamplingParams fields (vLLM's names); a vLLM-only key is
   accepted only at its default value (it would change nothing), any other key is a 400
   naming it. An absent `max_tokens` is the server's default, as on /v1/completions.
-* The response's `request_id` is `generate-tokens-` + the request's `request_id`.
+* The response's `request_id` is `generate-tokens-` + the request's `request_id`; abort
+  takes that id. `TokenGeneration.running` holds exactly the requests being answered.
 """
 
 from __future__ import annotations
@@ -100,9 +103,40 @@ def _sampling_params(sp: dict[str, Any], output_mode: str) -> dict[str, Any]:
     return fields
 
 
+class AbortRequest(RequestModel):
+    request_ids: Any = None
+
+
 class TokenGeneration:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
+        # Running requests: the client's id (`generate-tokens-<request_id>`) -> engine ids
+        # (one client id may be running more than once); read by /inference/v1/abort_requests.
+        self.running: dict[str, set[str]] = {}
+
+    def _started(self, req: GenerateRequest, job: Job) -> None:
+        self.running.setdefault(_response_id(req), set()).add(job.request_id)
+
+    def _ended(self, req: GenerateRequest, job: Job) -> None:
+        ids = self.running.get(_response_id(req))
+        if ids is not None:
+            ids.discard(job.request_id)
+            if not ids:
+                del self.running[_response_id(req)]
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort the running requests with these ids; unknown ids are ignored."""
+        for rid in request_ids:
+            for engine_id in list(self.running.get(rid, ())):
+                self.serving.engine.abort(engine_id)
+
+    async def final(self, req: GenerateRequest, job: Job) -> RequestOutput:
+        self._started(req, job)
+        try:
+            (out,) = await self.serving.final_outputs([job])
+        finally:
+            self._ended(req, job)
+        return out
 
     def job(self, req: GenerateRequest) -> Job:
         """The engine request (worker thread): every refusal is a 400 naming the field."""
@@ -194,6 +228,7 @@ class TokenGeneration:
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         n_prompt, generated = len(job.prompt.token_ids), [0] * job.params.n
         send_prompt_ids = bool(req.return_token_ids)
+        self._started(req, job)  # here, not in the route: a stream that never starts registers nothing
         gen = self.serving.run([job])
         try:
             async for _, out in gen:
@@ -216,6 +251,7 @@ class TokenGeneration:
         except Exception as exc:
             yield sse(error_body(f"generation failed: {exc}", 500))
         finally:
+            self._ended(req, job)
             await gen.aclose()
         yield SSE_DONE
 
@@ -262,7 +298,17 @@ def add_routes(app: FastAPI, serving: Serving, prep: Preparation) -> None:
             return SSEResponse(tokens.stream(req, job))
 
         async def work() -> JSONResponse:
-            (final,) = await serving.final_outputs([job])
-            return JSONResponse(tokens.response(req, job, final))
+            return JSONResponse(tokens.response(req, job, await tokens.final(req, job)))
 
         return await until_disconnect(request, work())
+
+    @app.post("/inference/v1/abort_requests")
+    async def abort_requests(request: Request) -> Response:
+        """vLLM's abort: {"request_ids": [...]}, the ids /inference/v1/generate answers with."""
+        ids = (await parse_body(request, AbortRequest)).request_ids
+        if ids is None:
+            raise APIError(400, "Missing 'request_ids' in request body", "request_ids")
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise APIError(400, "request_ids must be a list of strings", "request_ids")
+        tokens.abort(ids)
+        return Response(status_code=200)
