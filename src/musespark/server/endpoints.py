@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from .http import APIError, Preparation, parse_body, until_disconnect
+from .http import APIError, Preparation, parse_body, until_disconnect, validation_error
 from .load import ServerLoad
 from .protocol import ChatCompletionRequest, CompletionRequest, envelope, random_id, usage
 from .render import render_completion
@@ -64,7 +64,10 @@ def _single_requests(req: BatchChatCompletionRequest) -> list[ChatCompletionRequ
     if req.n != 1:
         raise APIError(400, "Batch chat completions do not support `n > 1`. Please set `n` to 1.", "n")
     shared = req.model_dump(exclude={"messages", "use_beam_search", "tool_choice"}, exclude_unset=True)
-    return [ChatCompletionRequest.model_validate({**shared, "messages": conv}) for conv in req.messages]
+    try:
+        return [ChatCompletionRequest.model_validate({**shared, "messages": conv}) for conv in req.messages]
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
 
 
 class BatchChat:
