@@ -122,6 +122,11 @@ def test_generate_runs_a_rendered_request_as_the_route_would(server, client):
     assert out["choices"][0]["token_ids"] == want.choices[0].token_ids
     assert out["prompt_token_ids"] == rendered["token_ids"]
     assert out["usage"]["completion_tokens"] == len(want.choices[0].token_ids)
+    banned = want.choices[0].token_ids[0]
+    (biased,) = post(server, "/v1/completions/render", {**body, "logit_bias": {str(banned): -100}}).json()
+    assert biased["sampling_params"]["logit_bias"] == {str(banned): -100.0}
+    other = post(server, "/inference/v1/generate", biased).json()
+    assert other["choices"][0]["token_ids"][0] != banned  # the bias survives the round trip
     text = post(server, "/inference/v1/generate", {**rendered, "output_mode": "text"}).json()
     assert text["choices"][0]["text"] == want.choices[0].text
     assert text["request_id"] == out["request_id"]  # the same request_id may be sent again

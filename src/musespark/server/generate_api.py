@@ -96,6 +96,9 @@ def _sampling_params(sp: dict[str, Any], output_mode: str) -> dict[str, Any]:
             fields[key] = value
         elif key not in _VLLM_DEFAULTS or value not in _VLLM_DEFAULTS[key]:
             raise APIError(400, f"sampling_params.{key} is not supported here (value {value!r})", "sampling_params")
+    bias = fields.get("logit_bias")
+    if isinstance(bias, dict):  # JSON object keys are strings: "50256" means token 50256
+        fields["logit_bias"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in bias.items()}
     if output_mode != "tokens" and sp.get("detokenize") is False:
         raise APIError(
             400, f"output_mode={output_mode!r} requires sampling_params.detokenize to be true", "output_mode"
