@@ -114,7 +114,7 @@ def tokenizer_info(model_path: Path, chat_template: str | None) -> dict[str, Any
             return [plain(v) for v in value]
         return value
 
-    config = {k: plain(v) for k, v in config.items() if k != "added_tokens_decoder"}
+    config = {k: plain(v) for k, v in config.items()}  # added_tokens_decoder: {id: its text}
     config["tokenizer_class"] = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
     template = chat_template
     if template is None and (model_path / "chat_template.jinja").is_file():
