@@ -155,8 +155,8 @@ def test_malformed_requests_get_4xx_and_server_stays_up(server):  # noqa: F811
     assert len(seen) >= 200
     # Nothing was left running or holding blocks.
     metrics = http_metrics(server.url)
-    assert 'vllm:num_requests_running{model_name="musespark-tiny"} 0.0' in metrics
-    assert 'vllm:kv_cache_usage_perc{model_name="musespark-tiny"} 0.0' in metrics
+    assert 'vllm:num_requests_running{engine="0",model_name="musespark-tiny"} 0.0' in metrics
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="musespark-tiny"} 0.0' in metrics
 
 
 def http_metrics(url: str) -> str:

@@ -23,6 +23,11 @@ def server(tmp_path_factory):
         API_KEY,
         "--speculative-config",
         json.dumps(SPEC),
+        # the raw chat text, compared with the offline LLM's (the Muse parsers are on by default)
+        "--reasoning-parser",
+        "none",
+        "--tool-call-parser",
+        "none",
     )
     yield srv
     srv.stop()
@@ -32,7 +37,7 @@ def spec_metrics(url: str) -> tuple[dict[str, float], dict[int, float]]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     totals = {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r"^(vllm:spec_decode_num_\w+?_total)\{model_name=\"[^\"]*\"\} (\S+)$", text, re.M)
+        for m in re.finditer(r"^(vllm:spec_decode_num_\w+?_total)\{[^}]*model_name=[^}]*\} (\S+)$", text, re.M)
     }
     per_pos = {
         int(m.group(1)): float(m.group(2))

@@ -54,6 +54,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # prompt_logprobs computed this step: (position of the first scored prompt token, entries)
     prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    scheduled_time: float | None = None  # time.monotonic() when the sequence was first scheduled
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,10 @@ class EngineStats:
     prefix_hits: int = 0  # of which were found
     num_preemptions: int = 0
     num_steps: int = 0
+    # Tokens the latest step computed: prompt tokens prefilled plus tokens generated (vLLM's
+    # iteration tokens; read once per step by the server for vllm:iteration_tokens_total).
+    last_step_tokens: int = 0
+    num_kv_blocks: int = 0  # blocks in the KV cache (vLLM's num_gpu_blocks)
     # Speculative decoding (vLLM's spec_decode counters); num_speculative_tokens 0: off.
     num_speculative_tokens: int = 0
     spec_num_drafts: int = 0
@@ -145,6 +150,7 @@ class EngineCore:
         else:
             self._seeds.manual_seed(settings.seed)
         self.num_steps = 0
+        self.last_step_tokens = 0
 
     # -- requests -------------------------------------------------------------------
     def add_request(
@@ -215,7 +221,11 @@ class EngineCore:
         num_out_before = [len(r.output_token_ids) for r in batch.requests]
         finished = self.scheduler.update(batch, out.sampled, out.verified)
         outputs = []
+        step_tokens = 0
         for i, request in enumerate(batch.requests):
+            prompt_left = len(request.prompt_token_ids) - computed_before[i]
+            step_tokens += max(0, min(batch.num_new[i], prompt_left))
+            step_tokens += len(request.output_token_ids) - num_out_before[i]
             if request.request_id in out.verified:  # speculation: the accepted run, cut at a stop
                 new = request.output_token_ids[num_out_before[i] :]
                 if new:
@@ -228,6 +238,7 @@ class EngineCore:
                             finish_reason=request.finish_reason,
                             stop_reason=request.stop_reason,
                             num_cached_tokens=request.num_cached_tokens,
+                            scheduled_time=request.scheduled_time,
                         )
                     )
                 continue
@@ -245,8 +256,10 @@ class EngineCore:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     prompt_logprobs=scored,
+                    scheduled_time=request.scheduled_time,
                 )
             )
+        self.last_step_tokens = step_tokens
         if self.speculator is not None:
             self.speculator.after_step(batch, out, computed_before, finished)
         return outputs
@@ -261,5 +274,7 @@ class EngineCore:
             prefix_hits=kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
+            last_step_tokens=self.last_step_tokens,
+            num_kv_blocks=self.runner.num_blocks,
             **(self.speculator.stats() if self.speculator is not None else {}),
         )

@@ -197,11 +197,11 @@ class InputProcessor:
                 "(the prompt must be shorter than max_model_len)",
                 param="prompt",
             )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidArgumentError(
-                f"prompt_token_ids must lie in [0, {self.vocab_size}), got {bad[0]}", param="prompt_token_ids"
-            )
+        # vLLM's check and message: the lowest id if one is negative, else the highest.
+        lowest, highest = min(token_ids), max(token_ids)
+        if lowest < 0 or highest >= self.vocab_size:
+            bad = lowest if lowest < 0 else highest
+            raise InvalidArgumentError(f"Token id {bad} is out of vocabulary", param="prompt_token_ids")
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         self.validate_prompt(token_ids)
@@ -216,16 +216,21 @@ class InputProcessor:
                 raise InvalidArgumentError("bad_words need a tokenizer; this model has none", param="bad_words")
             params.update_from_tokenizer(self.tokenizer)
         vocab = self.vocab_size
-        for name, ids in (
-            ("logit_bias", params.logit_bias or ()),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("bad_words", [t for seq in params._bad_words_token_ids or () for t in seq]),
-        ):
-            bad = sorted({t for t in ids if not 0 <= t < vocab})
+        # vLLM's messages for out-of-vocabulary ids in each field.
+        for name, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidArgumentError(
-                    f"{name} has out-of-vocabulary token id(s) {bad[:8]}; the vocabulary is [0, {vocab})", param=name
+                    f"token_id(s) {bad} in {name} contain out-of-vocab token ids. Vocabulary size: {vocab}", param=name
                 )
+        if any(not 0 <= t < vocab for t in params.allowed_token_ids or ()):
+            raise InvalidArgumentError("allowed_token_ids contains out-of-vocab token id!", param="allowed_token_ids")
+        bad = sorted({t for seq in params._bad_words_token_ids or () for t in seq if not 0 <= t < vocab})
+        if bad:
+            raise InvalidArgumentError(
+                f"bad_words has out-of-vocabulary token id(s) {bad[:8]}; the vocabulary is [0, {vocab})",
+                param="bad_words",
+            )
         if params.thinking_token_budget is not None and params._thinking_plan is None:
             object.__setattr__(params, "_thinking_plan", self.thinking_plan)
         # Structured outputs: compiled here, on the caller's thread (the server's worker

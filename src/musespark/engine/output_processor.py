@@ -71,6 +71,7 @@ class _Parent:
     seqs: list[_Sequence]
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # indexed by prompt position
+    scheduled_time: float | None = None  # the earliest first-scheduled time of its sequences
 
     @property
     def finished(self) -> bool:
@@ -150,6 +151,10 @@ class OutputProcessor:
                 continue
             parent, seq = found
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.scheduled_time is not None and (
+                parent.scheduled_time is None or out.scheduled_time < parent.scheduled_time
+            ):
+                parent.scheduled_time = out.scheduled_time
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 first, entries = out.prompt_logprobs  # by position: a recomputed prompt rewrites the same slots
                 for j, lp in enumerate(entries):
@@ -294,6 +299,7 @@ class OutputProcessor:
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
             prompt_logprobs=parent.prompt_logprobs,
+            scheduled_time=parent.scheduled_time,
         )
 
     def _drop(self, parent: _Parent) -> None:

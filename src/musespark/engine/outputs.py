@@ -74,3 +74,6 @@ class RequestOutput:
     # (None for the first token, which nothing predicts), as vLLM gives them; live while the
     # prompt is being computed, complete from the first generated token on.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # time.monotonic() when the engine first scheduled any of the request's sequences (None
+    # until then); with the arrival time it gives vLLM's queue / prefill / inference times.
+    scheduled_time: float | None = None

@@ -41,6 +41,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    scheduled_time: float | None = None  # time.monotonic() of the first admission (metrics: queue time)
     # structured.GrammarState (structured_outputs), thinking_budget.ThinkingBudget, or both chained
     grammar: Any = None
     cache_salt: str | None = None  # prefix-cache namespace: blocks are shared only within one salt

@@ -30,6 +30,7 @@ and holds no blocks.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -177,6 +178,8 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:  # the first admission; a preempted request keeps it
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             batch.requests.append(request)
             batch.num_new.append(n)

@@ -29,12 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..engine.chat import compile_template, parse_reasoning_effort_map, parse_template_kwargs
 from ..engine.llm_engine import LLMEngine
-from . import messages, responses
+from . import endpoints, generate_api, messages, responses
 from .async_engine import AsyncEngine, EngineDeadError
 from .chat_output import check_parsers
 from .http import APIError, Preparation, SSEResponse, error_response, parse_body, until_disconnect, validation_error
 from .listen import close_uds
+from .load import LoadTrackingMiddleware, ServerLoad, orca_headers_for
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .render import render_chat
 from .serving import ChatSettings, Serving
 from .transport import GuardMiddleware, header_timeout_protocol
 
@@ -173,6 +175,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     no_docs = {} if config.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="musespark", version=__version__, lifespan=lifespan, root_path=config.root_path, **no_docs)
     app.state.async_engine = async_engine
+    load = app.state.server_load = ServerLoad(config.enable_server_load_tracking)
+    app.add_middleware(LoadTrackingMiddleware, load=load)  # inside the guard: refused requests do not count
     app.add_middleware(GuardMiddleware, config=config)
     if config.allowed_origins:  # outermost: preflights are answered before the key check
         app.add_middleware(
@@ -214,37 +218,55 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
+    def orca(request: Request) -> dict[str, str]:
+        return orca_headers_for(request.headers, async_engine.metrics.load_report)
+
+    async def run_completion(request: Request, req: CompletionRequest) -> Response:
         base, jobs = await prep.run(serving.completion_jobs, req)
         if req.stream:
             return SSEResponse(serving.completion_stream(base, req, jobs))
 
         async def work() -> JSONResponse:
             finals = await serving.final_outputs(jobs)
-            return JSONResponse(serving.completion_response(base, req, jobs, finals))
+            return JSONResponse(serving.completion_response(base, req, jobs, finals), headers=orca(request))
 
         return await until_disconnect(request, work())
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
+    async def run_chat(request: Request, req: ChatCompletionRequest) -> Response:
         base, jobs = await prep.run(serving.chat_jobs, req)
         if req.stream:
             return SSEResponse(serving.chat_stream(base, req, jobs))
 
         async def work() -> JSONResponse:
             (final,) = await serving.final_outputs(jobs)
-            return JSONResponse(serving.chat_response(base, req, final))
+            return JSONResponse(serving.chat_response(base, req, final), headers=orca(request))
 
         return await until_disconnect(request, work())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await run_completion(request, await parse_body(request, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await run_chat(request, await parse_body(request, ChatCompletionRequest))
 
     @app.post("/v1/chat/completions/render")
     async def chat_render(request: Request) -> dict[str, Any]:
         req = await parse_body(request, ChatCompletionRequest)
-        return await prep.run(serving.render, req)
+        return await prep.run(render_chat, serving, req)
 
+    endpoints.add_routes(
+        app,
+        serving,
+        prep,
+        chat=run_chat,
+        completion=run_completion,
+        load=load,
+        tokenizer_info_enabled=config.enable_tokenizer_info_endpoint,
+        chat_template=config.chat_template,
+    )
+    generate_api.add_routes(app, serving, prep)
     responses.add_routes(app, serving, prep)
     messages.add_routes(app, serving, prep)
 

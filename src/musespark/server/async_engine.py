@@ -33,7 +33,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.outputs import RequestOutput
 from ..parsers import MuseOutputParser
 from ..sampling_params import SamplingParams
-from .metrics import ServerMetrics
+from .metrics import FinishedSequence, ServerMetrics
 
 logger = logging.getLogger("musespark.server")
 
@@ -45,6 +45,19 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def _cache_info(engine: LLMEngine, stats: EngineStats) -> dict[str, str]:
+    """vllm:cache_config_info's labels: the KV cache settings, under vLLM's CacheConfig names."""
+    cache = engine.engine_config.cache
+    return {
+        "block_size": str(cache.block_size),
+        "cache_dtype": "auto",
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "kv_cache_memory_bytes": str(cache.kv_cache_memory),
+        "num_gpu_blocks": str(stats.num_kv_blocks),
+        "num_cpu_blocks": "None",
+    }
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -52,6 +65,12 @@ class _Stream:
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
+    # Set by the engine thread when it takes the request (for the metrics).
+    queued: float | None = None
+    prompt_tokens: int = 0
+    n: int = 1
+    max_tokens: int | None = None
+    scheduled: float | None = None
 
 
 def _send(stream: _Stream, item: Any) -> None:
@@ -71,7 +90,9 @@ class AsyncEngine:
         self.vocab_size = engine.config.vocab_size
         self.log_requests = log_requests
         self._stats: EngineStats = engine.get_stats()
-        self.metrics = ServerMetrics(model_name, self.stats)
+        self.metrics = ServerMetrics(
+            model_name, self.stats, max_model_len=self.max_model_len, cache_info=_cache_info(engine, self._stats)
+        )
         self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -153,7 +174,9 @@ class AsyncEngine:
                 now = time.monotonic()
                 for out in outputs:
                     self._deliver(out, now)
-                self._stats = engine.get_stats()
+                before, self._stats = self._stats, engine.get_stats()
+                if self._stats.num_steps != before.num_steps:
+                    self.metrics.observe_step(self._stats.last_step_tokens)
         except BaseException as exc:  # pragma: no cover - a bug in this loop
             logger.exception("engine loop died")
             self.error = exc
@@ -181,6 +204,8 @@ class AsyncEngine:
             _send(stream, exc)
             return
         self._streams[request_id] = stream
+        stream.queued, stream.prompt_tokens = time.monotonic(), len(prompt.token_ids)
+        stream.n, stream.max_tokens = params.n, params.max_tokens
         self.metrics.prompt_tokens.inc(len(prompt.token_ids))
         if self.log_requests:
             logger.info("added request %s: %d prompt tokens, %s", request_id, len(prompt.token_ids), params)
@@ -188,10 +213,10 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         aborted = self._engine.abort_request(request_id)
-        if aborted is not None:
-            for c in aborted.outputs:
-                self.metrics.request_finished(c.finish_reason or "abort")
-            self._observe_end(stream)
+        if aborted is not None and stream is not None:
+            stream.scheduled = stream.scheduled or aborted.scheduled_time
+            self._observe_end(stream, aborted)
+            _send(stream, aborted)  # a consumer still listening (a server-side abort) gets the end
             if self.log_requests:
                 logger.info("aborted request %s", request_id)
 
@@ -199,6 +224,8 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
+        if stream.scheduled is None:
+            stream.scheduled = out.scheduled_time
         new_tokens = 0
         for c in out.outputs:
             new_tokens += len(c.delta_token_ids)
@@ -212,14 +239,26 @@ class AsyncEngine:
             stream.last_token = now
         if out.finished:
             del self._streams[out.request_id]
-            for c in out.outputs:
-                self.metrics.request_finished(c.finish_reason or "abort")
-            self._observe_end(stream)
+            self._observe_end(stream, out)
         _send(stream, out)
 
-    def _observe_end(self, stream: _Stream | None) -> None:
-        if stream is not None:
-            self.metrics.e2e.observe(time.monotonic() - stream.arrival)
+    def _observe_end(self, stream: _Stream, out: RequestOutput) -> None:
+        """A request finished (or was aborted): one observation per sequence, then its n."""
+        now = time.monotonic()
+        for c in out.outputs:
+            seq = FinishedSequence(
+                finished_reason=c.finish_reason or "abort",
+                prompt_tokens=stream.prompt_tokens,
+                generation_tokens=len(c.token_ids),
+                max_tokens=stream.max_tokens,
+                arrival=stream.arrival,
+                queued=stream.queued,
+                scheduled=stream.scheduled,
+                first_token=stream.first_token,
+                last_token=stream.last_token,
+            )
+            self.metrics.request_finished(seq, now)
+        self.metrics.request_params(stream.n, max((len(c.token_ids) for c in out.outputs), default=0))
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):

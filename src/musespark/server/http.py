@@ -107,17 +107,58 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+# pydantic's names for union branches and wrappers in an error's `loc` (not request fields).
+_LOC_MARKERS = frozenset(
+    "function-wrap function-after function-before function-plain json-or-python lax-or-strict chain default "
+    "nullable tagged-union union call arguments is-instance is-subclass callable str int float bool bytes "
+    "bytearray list tuple dict set frozenset complex none nonetype".split()
+)
+_MAX_REPORTED_ERRORS, _MAX_INPUT_CHARS, _MAX_ERROR_CHARS = 10, 200, 1000
+
+
+def _loc_fields(loc: Any) -> list[str]:
+    """The request-field parts of a pydantic `loc` (union branches and wrappers dropped)."""
+    parts = [str(x) for x in loc or ()]
+    kept = [p for p in parts if not re.search(r"[\[\]{}()]", p) and p.lower() not in _LOC_MARKERS]
+    return kept or parts
+
+
+def _short_input(value: Any) -> Any:
+    """A size-bounded stand-in for an error's `input` (containers are described, not shown)."""
+    if isinstance(value, str):
+        return value if len(value) <= _MAX_INPUT_CHARS else value[:_MAX_INPUT_CHARS] + "...[truncated]"
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        text = str(value)
+    except Exception:  # e.g. an int too long to print
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= _MAX_INPUT_CHARS else text[:_MAX_INPUT_CHARS] + "...[truncated]"
+
+
 def validation_error(errors: Any) -> APIError:
-    """pydantic's errors as one 400: up to five `loc: msg` parts; `param` is the first's field."""
+    """pydantic's errors as one 400 worded as vLLM words them ("N validation error(s):" and
+    one line per error, at most 10: type, loc as `body.FIELD`, msg, input, ctx); `param` is
+    the first error's field."""
     errors = list(errors)
     if not errors:
-        return APIError(400, "invalid request")
-    loc = [str(x) for x in errors[0].get("loc", ()) if x != "body"]
-    param = loc[0] if loc else None
-    message = "; ".join(
-        f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]
-    )
-    return APIError(400, message, param)
+        return APIError(400, "Validation error")
+    lines = []
+    for err in errors[:_MAX_REPORTED_ERRORS]:
+        entry = {k: v for k, v in dict(err).items() if k != "url"}
+        fields = _loc_fields(entry.get("loc"))
+        entry["loc"] = ".".join(fields if fields[:1] in (["body"], ["query"], ["path"]) else ["body", *fields])
+        if "input" in entry:
+            entry["input"] = _short_input(entry["input"])
+        text = str(entry)
+        lines.append(f"  {text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + '...[truncated]'}")
+    label = "error" if len(errors) == 1 else "errors"
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        lines.append(f"  ...and {len(errors) - _MAX_REPORTED_ERRORS} more {label}")
+    first = [f for f in _loc_fields(errors[0].get("loc")) if f != "body"]
+    return APIError(400, f"{len(errors)} validation {label}:\n" + "\n".join(lines), first[0] if first else None)
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:

@@ -1,5 +1,5 @@
-"""The generation routes (/v1/completions, /v1/chat/completions), /v1/chat/completions/render,
-/tokenize and /detokenize.
+"""The generation routes (/v1/completions, /v1/chat/completions), /tokenize and /detokenize
+(render.py shows what a request would run).
 
 Each turns a validated request into (prompt, SamplingParams) jobs with the engine's input
 processor, runs them through the AsyncEngine, and renders either one JSON body or a
@@ -249,17 +249,6 @@ class Serving:
         except ValueError as exc:
             param = getattr(exc, "param", None) or "messages"
             raise APIError(400, f"invalid {param}: {exc}", param) from None
-
-    def render(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """/v1/chat/completions/render: the prompt a chat request would run, checked exactly
-        as /v1/chat/completions checks it, and its token ids; nothing reaches the engine."""
-        base, (job,) = self.chat_jobs(req)
-        return {
-            "request_id": base,
-            "model": self.model_name,
-            "prompt": job.prompt.text,
-            "token_ids": job.prompt.token_ids,
-        }
 
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req)

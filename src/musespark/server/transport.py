@@ -85,12 +85,17 @@ def _is_json(content_type: bytes | None) -> bool:
     return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
+# Paths that need the API key: vLLM's /v1 and /inference, and /invocations, which vLLM leaves
+# open although it runs the same requests as /v1 (a key that a route ignores protects nothing).
+_GUARDED = ("/v1", "/inference", "/invocations")
+
+
 class GuardMiddleware:
-    """API key on /v1/* (constant-time compare with each key; the `Bearer` scheme in any case), JSON-only
-    POST bodies (415 otherwise: a web page cannot make a browser send JSON cross-origin
-    without a CORS preflight), and the request body limit (from Content-Length, then while
-    reading). The body is buffered and replayed to the app; later receive() calls
-    (disconnect detection) go to the server."""
+    """API key on /v1/*, /inference/* and /invocations (`_GUARDED`; constant-time compare with
+    each key; the `Bearer` scheme in any case), JSON-only POST bodies (415 otherwise: a web
+    page cannot make a browser send JSON cross-origin without a CORS preflight), and the
+    request body limit (from Content-Length, then while reading). The body is buffered and
+    replayed to the app; later receive() calls (disconnect detection) go to the server."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app, self.config = app, config
@@ -120,7 +125,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self._want is not None and route_path(scope).startswith("/v1"):
+        if self._want is not None and route_path(scope).startswith(_GUARDED):
             if not self._authorized(headers.get(b"authorization", b""), headers.get(b"x-api-key")):
                 return await self._refuse(scope, 401, "Unauthorized: missing or wrong API key")(scope, receive, send)
         if scope["method"] == "POST" and not _is_json(headers.get(b"content-type")):

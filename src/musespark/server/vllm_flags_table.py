@@ -53,7 +53,7 @@ TABLE = """
 --anthropic-disabled-thinking-effort                  value    ignored: frontend option not implemented
 --log-error-stack                                     bool     ignored: logging/metrics/tracing option not implemented (Prometheus metrics are at /metrics)
 --tokens-only                                         bool     refused: the server always tokenizes and detokenizes
---enable-scale-out                                    bool     ignored: multi-process/multi-node serving is not implemented (one process here)
+--enable-scale-out                                    bool     ignored: the render and token-in/token-out endpoints (/v1/*/render, /inference/v1/generate) are always on
 --fingerprint-mode                                    value    ignored: frontend option not implemented
 --fingerprint-value                                   value    ignored: frontend option not implemented
 --host                                                value    ours
