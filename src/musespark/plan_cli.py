@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from . import env
-    from .parallel.plan import GB, checkpoint_quantization, dtype_bytes, plan_memory
+    from .parallel.plan import GB, dtype_bytes, plan_memory
     from .plan_cpu_cli import check_args
+    from .quant.config import checkpoint_quantization
 
     error = check_args(args)
     if error is not None:

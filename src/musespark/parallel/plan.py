@@ -62,7 +62,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ..config import ModelConfig
 
@@ -242,7 +241,7 @@ def plan_memory(
     'auto' (= dtype), a dtype name or 'fp8'. `device_memory_gb`: per-device memory in GB
     (1e9 bytes), to size the KV cache. `bf16_expert_layers`: with NVFP4, the layers whose experts
     stay in the model dtype (None: the first and the last, as released; a checkpoint's exclude list
-    says which, `checkpoint_quantization`).
+    says which, `quant.config.checkpoint_quantization`).
     """
     _check(cfg, tp, ep, pp)
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -378,19 +377,6 @@ def plan_memory(
     return plans
 
 
-def checkpoint_quantization(path: str | Path, cfg: ModelConfig) -> tuple[str | None, list[int]]:
-    """What checkpoint `path` declares (docs/nvfp4.md §1): ("nvfp4", the sparse layers whose experts
-    its exclude list keeps unquantized) for an NVFP4 checkpoint, (None, []) for an unquantized one."""
-    from ..quant.config import parse_quantization_config, read_quantization_config
-
-    found = read_quantization_config(path)
-    if found is None:
-        return None, []
-    qc = parse_quantization_config(*found)
-    sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)]
-    return "nvfp4", [i for i in sparse if qc.is_excluded(f"layers.{i}.mlp.experts")]
-
-
 def total_params(cfg: ModelConfig) -> int:
     """Every text parameter of a tp=1 checkpoint (tied embeddings counted once)."""
     return plan_memory(cfg)[0].num_params
@@ -404,7 +390,6 @@ def layer_params(cfg: ModelConfig) -> int:
 
 __all__ = [
     "GB",
-    "checkpoint_quantization",
     "PARTS",
     "RankPlan",
     "dtype_bytes",
