@@ -20,6 +20,7 @@ from musespark.kernels import cpu
 from musespark.model.muse_spark import MuseSparkForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from test_backends import TIE, paged_greedy  # noqa: E402
 from write_816b_slice import exclude_modules, main, slice_config, write_slice  # noqa: E402
 
 NARROW = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, top_k=2, moe_hidden=128, moe_intermediate=128)
@@ -84,21 +85,22 @@ def test_scales_are_finite_positive_and_realistic(narrow):
     assert 0.5 / math.sqrt(128) < rms < 2 / math.sqrt(128)  # about init_random_weights' 1/sqrt(fan_in)
 
 
-def greedy(dst, backend: str) -> tuple[list[int], torch.Tensor]:
-    model = musespark.load_model(dst, backend=backend)
-    logits = model.prompt_logits(PROMPT)
-    return model.greedy_continuation(PROMPT, 4), logits
-
-
 @pytest.mark.skipif(cpu.native_ops() is None, reason="the cpu backend needs the native kernels")
 def test_narrow_slice_decodes_alike_on_both_backends(narrow):
+    """Greedy decode steps on a paged KV cache, as the engine runs them: the cpu backend fed the
+    torch backend's tokens (teacher forcing) gives finite logits close to the torch backend's,
+    and the same greedy token at every step but where the torch logits of the two tokens tie
+    within test_backends.TIE of the largest |logit| (a bf16 rounding of the head can flip those)."""
     dst, _ = narrow
-    ref_tokens, ref = greedy(dst, "torch")
-    tokens, got = greedy(dst, "cpu")
+    ref_tokens, ref = paged_greedy(musespark.load_model(dst, backend="torch"), PROMPT, 6)
+    tokens, got = paged_greedy(musespark.load_model(dst, backend="cpu"), PROMPT, 6, forced=ref_tokens)
     assert torch.isfinite(ref).all() and torch.isfinite(got).all()
-    assert ref.abs().max() > 0.5  # not a degenerate all-zero model
-    assert tokens == ref_tokens
-    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max()
+    scale = ref.abs().max()
+    assert scale > 0.5 and len(set(ref_tokens)) > 1  # not a degenerate model
+    diff = (got - ref).abs()
+    assert diff.max() <= 0.05 * scale and diff.mean() <= 0.01 * scale
+    for step, (a, b) in enumerate(zip(ref_tokens, tokens)):
+        assert a == b or ref[step, a] - ref[step, b] <= TIE * scale, (step, a, b)
 
 
 def test_cli_all_nvfp4_and_refusals(tmp_path, capsys):
