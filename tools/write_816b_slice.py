@@ -19,9 +19,12 @@ uniformly random E2M1 codes; block scales drawn among the positive finite e4m3 v
 that each decoded matrix has rms ~ 1/sqrt(fan_in), as `init_random_weights` gives dense
 matrices; input scales as a calibration with amax 8 would write them (amax / 2688).
 
-    python tools/write_816b_slice.py DST --layers 1                      # 1 real-width layer, vocab 202048
+    python tools/write_816b_slice.py DST --layers 1 --bf16-expert-layers none   # 1 NVFP4 layer, vocab 202048
     python tools/write_816b_slice.py DST --layers 2 --vocab 32768 --bf16-expert-layers 1
-    python tools/write_816b_slice.py DST --hidden 256 --experts 8 ...   # a narrow slice (tests)
+    python tools/write_816b_slice.py DST --hidden 256 --experts 8 ...          # a narrow slice (tests)
+
+Without --bf16-expert-layers the released choice applies: layer 0's experts (and layer 61's in
+a 62-layer slice) are bf16, 25.8 GB each at real width.
 
 Defaults are the real widths: H 8192, 128 query / 16 KV heads of 64, 256 experts of
 Hm = Im = 4096, top-8, vocab 202048. One real-width NVFP4 layer is ~7.3 GB on disk
@@ -303,6 +306,8 @@ def write_slice(
         shards[-1].append(t)
         size += t.nbytes
     total = sum(t.nbytes for t in tensors)
+    if log is not None:
+        log(f"writing {total / 1e9:.2f} GB in {len(shards)} file(s) to {dst}; bf16 experts in layers {bf16_expert_layers}")
     done, last, start = 0, 0.0, time.monotonic()
 
     def progress(n: int) -> None:
