@@ -307,7 +307,8 @@ def write_slice(
         size += t.nbytes
     total = sum(t.nbytes for t in tensors)
     if log is not None:
-        log(f"writing {total / 1e9:.2f} GB in {len(shards)} file(s) to {dst}; bf16 experts in layers {bf16_expert_layers}")
+        where = list(bf16_expert_layers) or "none"
+        log(f"writing {total / 1e9:.2f} GB in {len(shards)} file(s) to {dst}; bf16 experts in layers: {where}")
     done, last, start = 0, 0.0, time.monotonic()
 
     def progress(n: int) -> None:
