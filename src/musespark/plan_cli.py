@@ -58,6 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --device-memory: reserve this many sequences' sliding-window KV first",
     )
     p.add_argument("--json", action="store_true", help="also print one JSON object (the last line)")
+    from .plan_cpu_cli import add_arguments
+
+    add_arguments(p)
 
 
 def plan_rows(plans: list) -> list[tuple[str, object]]:
@@ -84,9 +87,18 @@ def plan_rows(plans: list) -> list[tuple[str, object]]:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import sys
 
+    from . import env
     from .parallel.plan import GB, dtype_bytes, plan_memory
+    from .plan_cpu_cli import check_args
+    from .quant.config import checkpoint_quantization
 
+    error = check_args(args)
+    if error is not None:
+        print(f"musespark plan: error: {error}", file=sys.stderr)
+        return 2
+    quantization, bf16_expert_layers = args.quantization, None
     if args.preset is not None:
         from .bench.presets import preset_config
 
@@ -97,8 +109,48 @@ def run(args: argparse.Namespace) -> int:
 
         path = args.model if args.model is not None else default_model_path()
         cfg, source = load_config(path), str(path)
+        declared, excluded = checkpoint_quantization(path, cfg)
+        if declared is not None:  # the checkpoint's own quantization config decides what is NVFP4
+            quantization, bf16_expert_layers = declared, excluded
+            source += f" ({declared} checkpoint)"
+    args.quantization = quantization
     tp, pp, ep = args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel
-    dtype, _ = dtype_bytes(args.dtype, cfg)
+    dtype, nbytes = dtype_bytes(args.dtype, cfg)
+    if args.device == "cpu":
+        from .parallel.cpu_server import plan_cpu_server
+        from .plan_cpu_cli import print_plan
+
+        (rank,) = plan_memory(
+            cfg,
+            quantization=quantization,
+            dtype=dtype,
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            kv_cache_dtype=args.kv_cache_dtype,
+            bf16_expert_layers=bf16_expert_layers,
+        )
+        layers = cfg.num_hidden_layers
+        server = plan_cpu_server(
+            cfg,
+            rank,
+            args.memory,
+            bf16_expert_layers=set(bf16_expert_layers if bf16_expert_layers is not None else (0, layers - 1)),
+            quantized=quantization is not None,
+            dtype_bytes=nbytes,
+            path=args.cpu_path,
+            sockets=args.sockets,
+            cores=args.cores,
+            bandwidth_gbs=args.bandwidth,
+            efficiency=args.efficiency,
+            context=args.context,
+            nvfp4_gmacs_per_core=args.nvfp4_gmacs,
+            bf16_gmacs_per_core=args.bf16_gmacs,
+            expert_panels=env.expert_panels(),
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+        )
+        print_plan(server, source, dtype, quantization is not None, args.json)
+        return 0
     plans = plan_memory(
         cfg,
         tp=tp,
@@ -111,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_dtype=args.kv_cache_dtype,
+        bf16_expert_layers=bf16_expert_layers,
     )
     unit, scale = ("GB", GB) if max(r.weight_bytes for r in plans) >= GB else ("MB", 1e6)
     print(

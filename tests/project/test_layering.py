@@ -38,6 +38,7 @@ ORDER: list[tuple[str, ...]] = [
     ("__main__",),
     ("cli",),
     ("generate_cli", "serve_cli", "plan_cli"),
+    ("plan_cpu_cli",),
     ("bench", "server"),
     ("apps",),
     (ROOT_UNIT,),

@@ -60,6 +60,7 @@ text-decoder bytes.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 
 from ..config import ModelConfig
@@ -231,13 +232,16 @@ def plan_memory(
     max_num_seqs: int | None = None,
     kv_cache_dtype: str = "auto",
     nvfp4_scope: str = "experts",
+    bf16_expert_layers: Collection[int] | None = None,
 ) -> list[RankPlan]:
     """One `RankPlan` per (pp stage, tp rank), in global-rank order (see the module docstring).
 
     `ep`: vLLM's --enable-expert-parallel (EP size = tp). `quantization`: None or "nvfp4".
     `dtype`: the unquantized weights' dtype ('auto': the checkpoint's). `kv_cache_dtype`:
     'auto' (= dtype), a dtype name or 'fp8'. `device_memory_gb`: per-device memory in GB
-    (1e9 bytes), to size the KV cache.
+    (1e9 bytes), to size the KV cache. `bf16_expert_layers`: with NVFP4, the layers whose experts
+    stay in the model dtype (None: the first and the last, as released; a checkpoint's exclude list
+    says which, `quant.config.checkpoint_quantization`).
     """
     _check(cfg, tp, ep, pp)
     if quantization is not None and quantization not in QUANTIZATIONS:
@@ -265,7 +269,7 @@ def plan_memory(
     Im = cfg.moe_intermediate_size // (1 if ep else tp)
     v_rows = -(-V // tp)
     nvfp4 = quantization == "nvfp4"
-    bf16_expert_layers = {0, L - 1}
+    bf16_expert_layers = {0, L - 1} if bf16_expert_layers is None else set(bf16_expert_layers)
 
     plans: list[RankPlan] = []
     for pp_rank in range(pp):

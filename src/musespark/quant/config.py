@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.names import FLAT_PREFIX, NESTED_PREFIX
+from ..config import ModelConfig
 from .dense import DENSE
 from .format import ExpertsFormat, LinearFormat, WeightFormats
 from .nvfp4 import Nvfp4Experts, Nvfp4Linear, check_mode
@@ -185,3 +186,14 @@ def checkpoint_formats(path: str | Path, nvfp4_mode: str = "weight-only") -> Wei
         return WeightFormats()
     raw, source = found
     return Nvfp4WeightFormats(parse_quantization_config(raw, source), nvfp4_mode)
+
+
+def checkpoint_quantization(path: str | Path, cfg: ModelConfig) -> tuple[str | None, list[int]]:
+    """What checkpoint `path` declares (docs/nvfp4.md §1): ("nvfp4", the sparse layers whose experts
+    its exclude list keeps unquantized) for an NVFP4 checkpoint, (None, []) for an unquantized one."""
+    found = read_quantization_config(path)
+    if found is None:
+        return None, []
+    qc = parse_quantization_config(*found)
+    sparse = [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)]
+    return "nvfp4", [i for i in sparse if qc.is_excluded(f"layers.{i}.mlp.experts")]

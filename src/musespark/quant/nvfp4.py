@@ -159,11 +159,31 @@ def scale_tensor_names(specs: dict[str, TensorSpec]) -> list[str]:
     return [n for n, s in specs.items() if s.dtype == SCALE or n.endswith(("weight_scale_2", "input_scale"))]
 
 
+# Bytes of e4m3 scales checked per step: the check reads the raw bytes in blocks, so it never
+# makes a wider (fp32) copy of a scale tensor (a real-width layer holds gigabytes of them).
+SCALE_CHECK_BLOCK = 1 << 24
+
+
+def e4m3_has_nan(t: torch.Tensor, block: int = SCALE_CHECK_BLOCK) -> bool:
+    """Whether float8_e4m3fn tensor `t` holds a NaN, read from its raw bytes: e4m3fn has no
+    infinity, and its only non-finite patterns are 0x7F and 0xFF (exponent and mantissa all
+    ones, either sign), so `byte & 0x7F == 0x7F` is exactly `not isfinite(float(t))`."""
+    raw = t.reshape(-1).view(torch.uint8)  # a view: no copy of a contiguous tensor
+    for start in range(0, raw.numel(), block):
+        part = raw[start : start + block]
+        if bool(((part & 0x7F) == 0x7F).any()):
+            return True
+    return False
+
+
 def check_finite_scales(state: dict[str, torch.Tensor], names: list[str]) -> None:
-    """Refuse NaN/inf (vLLM's "never loaded" sentinel is NaN) or non-positive global/input scales."""
+    """Refuse NaN/inf (vLLM's "never loaded" sentinel is NaN) or non-positive global/input scales.
+    Block scales (e4m3) are checked on their raw bytes in blocks (`e4m3_has_nan`); the global and
+    input scales are small fp32 tensors, checked as floats."""
     for name in names:
         t = state[name]
-        if not torch.isfinite(t.float()).all():
+        bad = e4m3_has_nan(t) if t.dtype == SCALE else not torch.isfinite(t.float()).all()
+        if bad:
             raise ValueError(f"tensor {name!r}: NVFP4 scale holds NaN or inf; expected finite values")
         if name.endswith(("weight_scale_2", "input_scale")) and not (t.float() > 0).all():
             raise ValueError(f"tensor {name!r}: NVFP4 global/input scale must be > 0, got min {t.float().min().item()}")
