@@ -82,13 +82,13 @@ class Products:
     gemm: Gemm | None = None
 
     def linear(self, module: Linear, x: torch.Tensor) -> torch.Tensor:
-        if module.reduce is not None or self.gemm is None:
+        if module.reduce is not None or self.gemm is None or not module.format.takes_gemm:
             return module(x)
         return module.format.apply(module, x, self.gemm)
 
     def expert(self, module: nn.Module, expert: int, x: torch.Tensor, partial: bool) -> torch.Tensor:
         """Expert `expert` (local index) of `module` (an `Experts`) on x [n, Hm] (ExpertsFormat.apply)."""
-        if self.gemm is None:
+        if self.gemm is None or not module.format.takes_gemm:
             return module.format.apply(module, expert, x, partial)
         return module.format.apply(module, expert, x, partial, self.gemm)
 

@@ -14,6 +14,8 @@ from .gemm import Gemm, linear
 
 
 class DenseLinear(LinearFormat):
+    takes_gemm = True
+
     def tensors(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         return {"weight": TensorSpec((out_features, in_features))}
 
@@ -22,6 +24,8 @@ class DenseLinear(LinearFormat):
 
 
 class DenseExperts(ExpertsFormat):
+    takes_gemm = True
+
     def tensors(self, num_experts: int, intermediate: int, hidden: int) -> dict[str, TensorSpec]:
         return {
             "gate_up_proj": TensorSpec((num_experts, 2 * intermediate, hidden)),

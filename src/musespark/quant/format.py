@@ -24,6 +24,10 @@ def register_tensors(module: nn.Module, specs: dict[str, TensorSpec]) -> None:
 class LinearFormat(ABC):
     """The storage and the product of one linear layer of logical shape [out, in] (y = x W^T)."""
 
+    # Whether `apply` takes `gemm` (the formats here do; a format written elsewhere may define
+    # apply(module, x) alone, and is then always called so: the backends leave it to itself).
+    takes_gemm: bool = False
+
     @abstractmethod
     def tensors(self, out_features: int, in_features: int) -> dict[str, TensorSpec]:
         """The checkpoint tensors this layer needs, by name relative to the module ("weight", ...)."""
@@ -41,6 +45,8 @@ class ExpertsFormat(ABC):
     """The storage and the product of E SwiGLU experts at width Hm with intermediate width Im,
     kept as fused 3-D tensors (`gate_up_proj` [E, 2*Im, Hm]: gate rows, then up rows;
     `down_proj` [E, Hm, Im]), as every Muse checkpoint stores them."""
+
+    takes_gemm: bool = False  # as for `LinearFormat`
 
     @abstractmethod
     def tensors(self, num_experts: int, intermediate: int, hidden: int) -> dict[str, TensorSpec]:

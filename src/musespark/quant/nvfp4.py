@@ -50,6 +50,8 @@ class Nvfp4Linear(LinearFormat):
     0-d, and `input_scale` fp32 0-d when the checkpoint has activation scales (quant_algo
     NVFP4; not W4A16_NVFP4)."""
 
+    takes_gemm = True
+
     def __init__(self, name: str, mode: str = "weight-only", input_scales: bool = True) -> None:
         self.name, self.mode, self.input_scales = name, check_mode(mode), input_scales
         if mode == "w4a4" and not input_scales:
@@ -90,6 +92,8 @@ class Nvfp4Experts(ExpertsFormat):
     `down_proj` uint8 [E, Hm, I/2], `down_proj_weight_scale` e4m3 [E, Hm, I/16],
     `down_proj_weight_scale_2` fp32 [E]; with input scales also `gate_up_proj_input_scale`
     fp32 [E, 2] and `down_proj_input_scale` fp32 [E]."""
+
+    takes_gemm = True
 
     def __init__(self, name: str, mode: str = "weight-only", input_scales: bool = True) -> None:
         self.name, self.mode, self.input_scales = name, check_mode(mode), input_scales

@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, field_validator
 from ..engine.input_processor import ProcessedPrompt
 from ..engine.outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import SamplingParams
+from .chat_fields import prompt_logprobs_body
 from .http import (
     SSE_DONE,
     APIError,
@@ -213,7 +215,7 @@ class TokenGeneration:
             "model": self.serving.model_name,
             "created": int(time.time()),
             "usage": _usage(n_prompt, n_out),
-            "prompt_logprobs": _prompt_logprobs(final.prompt_logprobs),
+            "prompt_logprobs": prompt_logprobs_body(final.prompt_logprobs, sys.maxsize),  # every entry
             "prompt_token_id_logprobs": None,
             "prompt_token_ids": list(final.prompt_token_ids) if req.return_token_ids else None,
             "mm_placeholders": None,
@@ -274,20 +276,6 @@ def _usage(n_prompt: int, n_out: int) -> dict[str, Any]:
         "completion_tokens": n_out,
         "prompt_tokens_details": None,
     }
-
-
-def _prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list[Any] | None:
-    if entries is None:
-        return None
-    return [
-        None
-        if e is None
-        else {
-            str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for t, lp in e.items()
-        }
-        for e in entries
-    ]
 
 
 def add_routes(app: FastAPI, serving: Serving, prep: Preparation) -> None:
