@@ -251,6 +251,16 @@ def resolve(args: argparse.Namespace, log: logging.Logger) -> ServeSettings:
     )
 
 
+def log_kv_cache(engine: Any, log: logging.Logger) -> None:
+    """One start-up line: the KV cache's blocks, their dtype (--kv-cache-dtype) and bytes."""
+    runner = engine.core.runner
+    held = [t for pair in runner.kv_caches if pair is not None for t in pair]
+    unique = {id(t): t for t in held}.values()  # layers of a group share one pair
+    dtype = str(held[0].dtype).removeprefix("torch.") if held else "none"
+    nbytes = sum(t.numel() * t.element_size() for t in unique)
+    log.info(f"KV cache: {runner.num_blocks} blocks of {runner.block_size} tokens, {dtype}, {nbytes} bytes")
+
+
 def run(args: argparse.Namespace) -> int:
     from .engine.llm_engine import LLMEngine
     from .server.api import serve
@@ -258,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = resolve(args, logging.getLogger("musespark.server"))
     engine = LLMEngine(settings.engine_args.create_engine_config())
+    log_kv_cache(engine, logging.getLogger("musespark.server"))
     server = settings.server
     if server.chat_template is not None and engine.tokenizer is None:
         raise ValueError("--chat-template needs a model with a tokenizer")
