@@ -24,7 +24,7 @@ from musespark.cli import main
 from musespark.config import ModelConfig
 from musespark.engine.args import EngineArgs, bundled_model_path
 from musespark.errors import InvalidArgumentError
-from musespark.layers import kv_quant
+from musespark.layers import attention, kv_quant
 from musespark.layers.attention import AttentionContext, KVGroup
 from musespark.model import MuseSparkForCausalLM, init_random_weights
 
@@ -140,14 +140,15 @@ def test_fp8_against_bf16_cache_on_the_bundled_model(backend):
     assert not torch.equal(got, ref)  # the cache really was fp8
 
 
-def test_cpu_plan_sends_fp8_caches_to_the_reference_attention():
+def test_cpu_plan_routes_fp8_caches():
     plan = CpuPlan(
         path="avx2", fused_blocks=True, native_decode=True, native_prefill=True, native_head=True,
         native_embed=True, panels=False, widen_bf16=False,
     )  # fmt: skip
     bf16, fp8 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=FP8)
     assert plan.decode_attention(bf16) and plan.prefill_attention(bf16)
-    assert not plan.decode_attention(fp8) and not plan.prefill_attention(fp8)
+    # fp8: the decode kernel reads it; prompt attention and the whole-step plan do not
+    assert plan.decode_attention(fp8) and not plan.prefill_attention(fp8)
     ctx = AttentionContext(
         query_start_loc=[0, 1], seq_lens=[3], kv_caches=[(fp8, fp8)],
         groups=[KVGroup(torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64))], layer_group=[0],
@@ -209,3 +210,46 @@ def test_explicit_model_dtype_is_accepted():
     config = EngineArgs(kv_cache_dtype="float32", dtype="float32").create_engine_config()
     assert config.cache.kv_cache_dtype == "float32"
     assert EngineArgs(kv_cache_dtype="bfloat16").create_engine_config().cache.kv_cache_dtype == "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from musespark.kernels import cpu
+
+    got = cpu.native_ops()
+    if got is None:
+        pytest.skip(f"native kernels unavailable: {cpu.unavailable_reason()}")
+    return got
+
+
+def test_native_decode_reads_every_fp8_value_exactly(ops):
+    """One key: the softmax is 1 and the output is the value row itself, so each of the 254
+    finite e4m3 bit patterns must come back as torch converts it."""
+    bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    D = 256
+    row = torch.cat([bits, bits[: D - bits.numel()]]).view(FP8)
+    cache = row.view(1, 1, 1, D).contiguous()
+    q = torch.randn(1, 1, D)
+    out = ops.paged_decode_attention(
+        q, cache, cache, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0, 1.0
+    )
+    assert torch.equal(out.view(-1), row.float())
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_native_decode_on_fp8_equals_fp32_cache_of_the_same_values(ops, window):
+    g = torch.Generator().manual_seed(0)
+    blocks, bs, nkv, nh, D = 12, 4, 2, 4, 16
+    k8 = kv_quant.to_cache(3 * torch.randn(blocks, bs, nkv, D, generator=g), FP8)
+    v8 = kv_quant.to_cache(torch.randn(blocks, bs, nkv, D, generator=g), FP8)
+    tables = torch.randperm(blocks, generator=g).view(3, 4).contiguous()
+    lens = torch.tensor([16, 7, 1])
+    q = torch.randn(3, nh, D, generator=g)
+    got = ops.paged_decode_attention(q, k8, v8, tables, lens, window, 0.25)
+    want = ops.paged_decode_attention(q, k8.float(), v8.float(), tables, lens, window, 0.25)
+    assert torch.equal(got, want)
+    # ...which is the reference's attention over the dequantized keys and values
+    ref = attention._decode_attention(
+        q, k8.float().flatten(0, 1), v8.float().flatten(0, 1), lens - 1, lens.tolist(), tables, bs, 0.25, window or None
+    )
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)

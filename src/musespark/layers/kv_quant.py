@@ -23,7 +23,9 @@ from ..config import FP8_KV_SPELLINGS, check_kv_cache_dtype
 from ..errors import InvalidArgumentError
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_SCALE = 1.0
+FP8_KV_SCALE = (
+    1.0  # the CPU decode kernel reads fp8 values as stored (csrc/common/simd.h load8): keep 1.0 or change both
+)
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
 _DTYPE_SPELLINGS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -2,7 +2,9 @@
 // block-paged cache (no gather, no mask tensor). The ops and the split of the work; the
 // kernels are attention/decode_avx2.cpp and the dispatch table's decode_attention.
 //
-// q [B, nH, D] fp32; k_cache, v_cache [num_blocks, block_size, nKV, D] (bf16 or fp32);
+// q [B, nH, D] fp32; k_cache, v_cache [num_blocks, block_size, nKV, D] (bf16, fp32, or float8
+// e4m3 read as stored, the fp8 KV cache's scale 1.0: layers/kv_quant.py; paged_decode_attention
+// only, through the AVX2 kernel);
 // block_tables [B, max_blocks] int64; seq_lens [B] int64. Sequence b's query sits at
 // position seq_lens[b] - 1 and sees keys at positions [max(0, pos - window + 1), pos]
 // (window 0: all). Head h reads KV head h / (nH / nKV). Scores and the softmax are fp32:
@@ -86,8 +88,9 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               op, ": k_cache/v_cache must be contiguous [num_blocks, block_size, nKV, D] alike");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat, op,
-              ": the cache must be bfloat16 or float32");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat ||
+                  k_cache.scalar_type() == at::kFloat8_e4m3fn,
+              op, ": the cache must be bfloat16, float32 or float8_e4m3fn");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   block_tables.dim() == 2 && seq_lens.dim() == 1 && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous(),
@@ -176,6 +179,8 @@ at::Tensor decode_core(const at::Tensor& q, const at::Tensor& k_cache, const at:
   };
   if (k_cache.scalar_type() == at::kBFloat16)
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  else if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
+    run(k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>());
   else
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
@@ -203,8 +208,9 @@ at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at:
                              at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, int64_t window, double scale) {
   const char* op = "paged_decode_step";
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(), op,
-              ": q must be contiguous [B, nH, D] in the cache's dtype");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type() &&
+                  q.scalar_type() != at::kFloat8_e4m3fn,
+              op, ": q must be contiguous [B, nH, D] in the cache's dtype (bf16 or fp32)");
   const int64_t B = q.size(0), nH = q.size(1), D = q.size(2);
   check_cache(k_cache, v_cache, block_tables, seq_lens, window, B, nH, D, op);
   const int64_t nKV = k_cache.size(2), slots = k_cache.size(0) * k_cache.size(1);
