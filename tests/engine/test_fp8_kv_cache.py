@@ -253,3 +253,27 @@ def test_native_decode_on_fp8_equals_fp32_cache_of_the_same_values(ops, window):
         q, k8.float().flatten(0, 1), v8.float().flatten(0, 1), lens - 1, lens.tolist(), tables, bs, 0.25, window or None
     )
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        {
+            "method": "dspark",
+            "model": str(bundled_model_path().parent / "musespark-tiny-dspark"),
+            "num_speculative_tokens": 4,
+        },
+    ],
+    ids=["ngram", "dspark"],
+)
+def test_fp8_cache_with_speculative_decoding_gives_the_plain_greedy_text(speculative):
+    """Verification rows attend row by row as decode rows: with an fp8 cache too, greedy text with
+    drafts is the text without them (a DSpark draft keeps K/V of its own, in its dtype)."""
+    prompts = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return", "one two three one two three one"]
+    params = musespark.SamplingParams(max_tokens=20, temperature=0)
+    plain = LLM(kv_cache_memory=8 << 20, max_model_len=256, kv_cache_dtype="fp8")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(kv_cache_memory=8 << 20, max_model_len=256, kv_cache_dtype="fp8", speculative_config=speculative)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert all(k.dtype == FP8 for pair in spec.engine.core.runner.kv_caches for k in pair)
