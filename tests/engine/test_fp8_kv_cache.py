@@ -147,8 +147,9 @@ def test_cpu_plan_routes_fp8_caches():
     )  # fmt: skip
     bf16, fp8 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=FP8)
     assert plan.decode_attention(bf16) and plan.prefill_attention(bf16)
-    # fp8: the decode kernel reads it; prompt attention and the whole-step plan do not
-    assert plan.decode_attention(fp8) and not plan.prefill_attention(fp8)
+    # fp8: the attention kernels take it (prompt chunks widened to bf16); the whole-step plan does not
+    assert plan.decode_attention(fp8) and plan.prefill_attention(fp8)
+    assert not plan.decode_attention(torch.zeros(1, dtype=torch.float16))
     ctx = AttentionContext(
         query_start_loc=[0, 1], seq_lens=[3], kv_caches=[(fp8, fp8)],
         groups=[KVGroup(torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64))], layer_group=[0],
@@ -277,3 +278,33 @@ def test_fp8_cache_with_speculative_decoding_gives_the_plain_greedy_text(specula
     spec = LLM(kv_cache_memory=8 << 20, max_model_len=256, kv_cache_dtype="fp8", speculative_config=speculative)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     assert all(k.dtype == FP8 for pair in spec.engine.core.runner.kv_caches for k in pair)
+
+
+def test_prompt_chunks_of_an_fp8_cache_reach_the_prefill_kernel_as_bf16():
+    """paged_attention hands a prefill kernel the reachable keys and values of an fp8 cache
+    widened to bf16, exactly the values stored (and the chunk's own new keys among them)."""
+    g = torch.Generator().manual_seed(0)
+    blocks, bs, nkv, nh, D = 6, 4, 2, 4, 16
+    caches = [(torch.zeros(blocks, bs, nkv, D, dtype=FP8), torch.zeros(blocks, bs, nkv, D, dtype=FP8))]
+    n, done = 5, 6  # a chunk of 5 rows after 6 cached positions
+    table = torch.tensor([[3, 0, 5, 1]])
+    cached = torch.randn(done, nkv, D, generator=g)
+    pos = torch.arange(done)
+    kv_quant.store(caches[0][0].view(-1, nkv, D), table[0, pos // bs] * bs + pos % bs, cached)
+    kv_quant.store(caches[0][1].view(-1, nkv, D), table[0, pos // bs] * bs + pos % bs, -cached)
+    q, k = torch.randn(n, nh, D, generator=g).bfloat16(), torch.randn(n, nkv, D, generator=g).bfloat16()
+    pos = torch.arange(done, done + n)
+    ctx = AttentionContext(
+        query_start_loc=[0, n], seq_lens=[done + n], kv_caches=caches,
+        groups=[KVGroup(table[0, pos // bs] * bs + pos % bs, table)], layer_group=[0],
+    )  # fmt: skip
+    seen = {}
+
+    def prefill(q, k, v, q_start, k_start, window, scale):
+        seen.update(k=k, v=v, q_start=q_start, k_start=k_start)
+        return torch.zeros_like(q)
+
+    attention.paged_attention(q, k, -k, pos, ctx, 0, 0.25, None, prefill=prefill)
+    assert seen["k"].dtype == seen["v"].dtype == torch.bfloat16 and (seen["q_start"], seen["k_start"]) == (done, 0)
+    want = kv_quant.from_cache(kv_quant.to_cache(torch.cat([cached, k.float()]), FP8), torch.bfloat16)
+    assert torch.equal(seen["k"], want) and torch.equal(seen["v"], -want)

@@ -14,7 +14,7 @@ What the plan decides, step by step (else: the torch reference's code, with `Cpu
 * a pure decode step: one native call (`whole`) when every layer's choice above is the fused
   blocks and `native_decode`, one row per sequence, caches of the step's dtype;
 * decode attention rows: the paged decode kernel (`native_decode`, bf16/fp32/fp8 caches); prompt
-  chunks: the prompt-attention kernel (`native_prefill`, panel paths, bf16 caches);
+  chunks: the prompt-attention kernel (`native_prefill`, panel paths; bf16 queries);
 * embedding norm, final norm, head: native for a bf16 embedding, native rows, a dense head;
 * a weight-only NVFP4 product outside the blocks: the native kernel up to kNvfp4NativeMaxRows
   rows, else the reference GEMM on the decoded weight;
@@ -43,9 +43,10 @@ if TYPE_CHECKING:
 
 ROWS = cpu.thresholds()
 _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float32)
-# The decode kernel also reads fp8 e4m3 caches (as stored: the fp8 KV cache's scale 1.0,
-# layers/kv_quant.py); the prompt-attention kernel and the whole-step plan do not.
-_DECODE_CACHE_DTYPES = (*_NATIVE_CACHE_DTYPES, torch.float8_e4m3fn)
+# The attention kernels also take fp8 e4m3 caches (the fp8 KV cache, layers/kv_quant.py): the
+# decode kernel reads them as stored (its scale is 1.0), prompt chunks get their keys widened to
+# bf16 (paged_attention); the whole-step plan writes the cache itself and takes none.
+_ATTENTION_CACHE_DTYPES = (*_NATIVE_CACHE_DTYPES, torch.float8_e4m3fn)
 
 
 def _fusable(fmt: object) -> bool:
@@ -85,10 +86,10 @@ class CpuPlan:
         return self.fused_blocks and self.native_rows(dtype, rows)
 
     def decode_attention(self, cache: torch.Tensor) -> bool:
-        return self.native_decode and cache.dtype in _DECODE_CACHE_DTYPES
+        return self.native_decode and cache.dtype in _ATTENTION_CACHE_DTYPES
 
     def prefill_attention(self, cache: torch.Tensor) -> bool:
-        return self.native_prefill and self.native_decode and cache.dtype in _NATIVE_CACHE_DTYPES
+        return self.native_prefill and self.decode_attention(cache)
 
     def head(self, y: torch.Tensor, head_dtype: torch.dtype) -> bool:
         return self.native_head and y.dtype == head_dtype and y.shape[0] > 0 and self.native_rows(y.dtype, y.shape[0])

@@ -33,7 +33,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .kv_quant import from_cache, store
+from .kv_quant import FP8_KV_DTYPE, from_cache, store
 
 
 @dataclass
@@ -150,7 +150,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention for every sequence of the batch -> [T, nH, D].
     With a paged cache, the new K/V are written first; `decode` (if given) computes the
-    single-query rows, `prefill` (if given) the bf16 chunks of several rows."""
+    single-query rows, `prefill` (if given) the bf16 chunks of several rows (from a bf16 or an
+    fp8 cache, whose keys it gets widened to bf16)."""
     out = torch.empty_like(q)
     qsl = ctx.query_start_loc
     if ctx.kv_caches is None:
@@ -208,11 +209,11 @@ def paged_attention(
         s, e = qsl[b], qsl[b + 1]
         if e == s or (single and e - s == 1) or b in skip:
             continue
-        if prefill is not None and q.dtype == k_flat.dtype == torch.bfloat16:
+        if prefill is not None and q.dtype == torch.bfloat16 and k_flat.dtype in (torch.bfloat16, FP8_KV_DTYPE):
+            # an fp8 cache's keys and values widen to bf16 exactly (e4m3 is a subset of bf16)
             slots, k_pos = _reachable_slots(group.block_tables[b], ctx.seq_lens[b], e - s, block_size, window)
-            out[s:e] = prefill(
-                q[s:e], k_flat[slots], v_flat[slots], ctx.seq_lens[b] - (e - s), int(k_pos[0]), window or 0, scale
-            )
+            keys, values = from_cache(k_flat[slots], q.dtype), from_cache(v_flat[slots], q.dtype)
+            out[s:e] = prefill(q[s:e], keys, values, ctx.seq_lens[b] - (e - s), int(k_pos[0]), window or 0, scale)
             continue
         out[s:e] = _attend_chunk(
             q[s:e], k_flat, v_flat, positions[s:e], group.block_tables[b], ctx.seq_lens[b], block_size, scale, window
