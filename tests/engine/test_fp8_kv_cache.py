@@ -147,15 +147,16 @@ def test_cpu_plan_routes_fp8_caches():
     )  # fmt: skip
     bf16, fp8 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=FP8)
     assert plan.decode_attention(bf16) and plan.prefill_attention(bf16)
-    # fp8: the attention kernels take it (prompt chunks widened to bf16); the whole-step plan does not
+    # fp8: every native attention step takes it (prompt chunks widened to bf16), the whole step too
     assert plan.decode_attention(fp8) and plan.prefill_attention(fp8)
     assert not plan.decode_attention(torch.zeros(1, dtype=torch.float16))
     ctx = AttentionContext(
         query_start_loc=[0, 1], seq_lens=[3], kv_caches=[(fp8, fp8)],
         groups=[KVGroup(torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64))], layer_group=[0],
     )  # fmt: skip
-    assert not plan.whole(1, ctx, torch.bfloat16)
+    assert plan.whole(1, ctx, torch.bfloat16) and plan.whole(1, ctx, torch.float32)
     assert plan.whole(1, dataclasses.replace(ctx, kv_caches=[(bf16, bf16)]), torch.bfloat16)
+    assert not plan.whole(1, dataclasses.replace(ctx, kv_caches=[(bf16, bf16)]), torch.float32)
 
 
 @pytest.mark.parametrize("spelling", ["fp8", "fp8_e4m3"])
@@ -308,3 +309,45 @@ def test_prompt_chunks_of_an_fp8_cache_reach_the_prefill_kernel_as_bf16():
     assert seen["k"].dtype == seen["v"].dtype == torch.bfloat16 and (seen["q_start"], seen["k_start"]) == (done, 0)
     want = kv_quant.from_cache(kv_quant.to_cache(torch.cat([cached, k.float()]), FP8), torch.bfloat16)
     assert torch.equal(seen["k"], want) and torch.equal(seen["v"], -want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_decode_step_writes_fp8_as_the_reference_does(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    blocks, bs, nkv, nh, D = 8, 4, 2, 4, 16
+    k_cache = kv_quant.to_cache(torch.randn(blocks, bs, nkv, D, generator=g), FP8)
+    v_cache = kv_quant.to_cache(torch.randn(blocks, bs, nkv, D, generator=g), FP8)
+    tables, lens = torch.tensor([[2, 5, 1], [0, 7, 3]]), torch.tensor([10, 5])
+    slots = torch.tensor([5 * bs + 1, 7 * bs + 0])  # position 9 and 4
+    q = torch.randn(2, nh, D, generator=g).to(dtype)
+    k = (torch.randn(2, nkv, D, generator=g) * 200).to(dtype)  # some beyond 448: saturated
+    v = torch.randn(2, nkv, D, generator=g).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kv_quant.store(want_k.view(-1, nkv, D), slots, k)
+    kv_quant.store(want_v.view(-1, nkv, D), slots, v)
+    want = ops.paged_decode_attention(q.float(), want_k, want_v, tables, lens, 0, 0.25).to(dtype)
+    got = ops.paged_decode_step(q, k, v, k_cache, v_cache, slots, tables, lens, 0, 0.25)
+    assert torch.equal(k_cache.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_whole_step_decode_on_fp8_equals_layer_by_layer(ops):
+    """The whole-step plan (one native call a decode step, cache writes inside) gives the bits
+    of the layer-by-layer path with an fp8 cache, as it does with a bf16 one."""
+    model = musespark.load_model(bundled_model_path(), dtype="bfloat16", backend="cpu")
+    ids = torch.randint(100, 4000, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    backend = model.backend
+    calls = {"whole": 0}
+    whole = backend.decode_plan.run
+
+    def counted(*args, **kwargs):
+        calls["whole"] += 1
+        return whole(*args, **kwargs)
+
+    backend.decode_plan.run = counted
+    got = paged_logits(model, ids, 12, FP8, block=16)
+    assert calls["whole"] == len(ids) - 12  # every decode step took the whole-step plan
+    backend.plan = dataclasses.replace(backend.plan, whole_step=False)
+    assert torch.equal(got, paged_logits(model, ids, 12, FP8, block=16))
+    assert calls["whole"] == len(ids) - 12

@@ -12,7 +12,7 @@ What the plan decides, step by step (else: the torch reference's code, with `Cpu
 * a decoder layer (`attn_in`, `attn_out`, `ffn_*`): the fused blocks when `fused_blocks` and
   the step's rows are native (bf16; fp32 up to kFp32FusedMaxRows rows);
 * a pure decode step: one native call (`whole`) when every layer's choice above is the fused
-  blocks and `native_decode`, one row per sequence, caches of the step's dtype;
+  blocks and `native_decode`, one row per sequence, caches of the step's dtype or fp8;
 * decode attention rows: the paged decode kernel (`native_decode`, bf16/fp32/fp8 caches); prompt
   chunks: the prompt-attention kernel (`native_prefill`, panel paths; bf16 queries);
 * embedding norm, final norm, head: native for a bf16 embedding, native rows, a dense head;
@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 ROWS = cpu.thresholds()
 _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float32)
 # The attention kernels also take fp8 e4m3 caches (the fp8 KV cache, layers/kv_quant.py): the
-# decode kernel reads them as stored (its scale is 1.0), prompt chunks get their keys widened to
-# bf16 (paged_attention); the whole-step plan writes the cache itself and takes none.
+# decode kernel reads them as stored (its scale is 1.0) and writes a step's keys into them as
+# kv_quant.to_cache does (so the whole-step plan takes them too); prompt chunks get their keys
+# widened to bf16 (paged_attention).
 _ATTENTION_CACHE_DTYPES = (*_NATIVE_CACHE_DTYPES, torch.float8_e4m3fn)
 
 
@@ -108,7 +109,7 @@ class CpuPlan:
             and ctx.kv_caches is not None
             and ctx.groups is not None
             and ctx.layer_group is not None
-            and all(k.dtype == v.dtype == dtype for k, v in ctx.kv_caches)
+            and all(k.dtype == v.dtype and k.dtype in (dtype, torch.float8_e4m3fn) for k, v in ctx.kv_caches)
         )
 
 
