@@ -20,7 +20,7 @@ import torch
 import musespark
 from musespark import LLM
 from musespark.backends.cpu_plan import CpuPlan
-from musespark.cli import main
+from musespark.cli import build_parser, main
 from musespark.config import ModelConfig
 from musespark.engine.args import EngineArgs, bundled_model_path
 from musespark.errors import InvalidArgumentError
@@ -351,3 +351,10 @@ def test_whole_step_decode_on_fp8_equals_layer_by_layer(ops):
     backend.plan = dataclasses.replace(backend.plan, whole_step=False)
     assert torch.equal(got, paged_logits(model, ids, 12, FP8, block=16))
     assert calls["whole"] == len(ids) - 12
+
+
+@pytest.mark.parametrize("command", [["generate", "x"], ["serve"], ["bench", "latency"], ["bench", "throughput"]])
+def test_every_command_passes_kv_cache_dtype_to_engine_args(command):
+    for spelling in ("fp8", "fp8_e4m3", "auto"):
+        args = build_parser().parse_args(command + ["--kv-cache-dtype", spelling])
+        assert EngineArgs.from_cli_args(args).kv_cache_dtype == spelling

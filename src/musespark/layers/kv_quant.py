@@ -6,7 +6,7 @@ and "fp8_e4m3" store them as `torch.float8_e4m3fn`; an explicit "bfloat16", "flo
 
 fp8 scale scheme: one fixed scale per tensor, `FP8_KV_SCALE` = 1.0 for keys and values of
 every layer (vLLM's default k_scale = v_scale = 1.0), values saturated at ±448 (e4m3's
-largest finite value; a plain cast would turn them into NaN). A fixed scale costs no bytes
+largest finite value: e4m3fn has no infinity, and a cast need not saturate). A fixed scale costs no bytes
 (the cache is exactly half a bf16 one) and no per-token work, and loses nothing a dynamic
 scale would save here: e4m3 has the same relative step (2^-3) over its whole normal range
 [2^-6, 448], so a scale only moves that range. Muse Spark's keys come out of a weightless
@@ -23,9 +23,9 @@ from ..config import FP8_KV_SPELLINGS, check_kv_cache_dtype
 from ..errors import InvalidArgumentError
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_SCALE = (
-    1.0  # the CPU decode kernel reads fp8 values as stored (csrc/common/simd.h load8): keep 1.0 or change both
-)
+# The CPU kernels read and write fp8 values as stored (kernels/csrc/common/simd.h load8,
+# attention/decode_attention.cpp write_fp8): a scale other than 1.0 must change them too.
+FP8_KV_SCALE = 1.0
 FP8_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
 _DTYPE_SPELLINGS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
