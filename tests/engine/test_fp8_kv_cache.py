@@ -6,6 +6,10 @@ stored as float8 e4m3 with one fixed scale (1.0), read back into the compute dty
   write saturates). Accuracy is not measured there: a random-weight model is chaotic (even a
   bf16 cache moves its logits by ~15% of the largest one, fp16 by ~1%);
 * accuracy, on the bundled model: fp8 against bf16 caches on the model's own greedy text;
+* the native CPU kernels: every e4m3 value read exactly, the decode kernel on an fp8 cache equal
+  to it on an fp32 cache of the same values, its cache writes equal to the reference's, the
+  whole-step decode plan equal to the layer-by-layer path, prompt chunks widened to bf16;
+* speculative decoding (ngram, DSpark) over an fp8 cache: the plain greedy text;
 * size: the same budget buys twice the blocks;
 * bad values: an error naming kv_cache_dtype, before any weight loads.
 """
