@@ -129,9 +129,10 @@ def test_fp8_against_bf16_cache_on_the_bundled_model(backend):
     """Teacher-forced on the model's own greedy text (prefill, then one decode step per token),
     logits of an fp8 cache against a bf16 cache. Tolerances, relative to each step's largest
     |logit|: e4m3 rounds each key/value within 2^-4 (bf16: 2^-9), which moved the logits by a
-    mean of 1.7% and at most 9.7% here (a float32 model against the bf16 one: 0.4% and 3.2%);
-    the bounds leave about 2.5x of room: mean <= 4%, max <= 25%, and the argmax (the greedy
-    token given the same context) the same in >= 90% of the steps (measured: 98%)."""
+    mean of 1.9% and at most 15% here on the cpu backend (a float32 model against the bf16 one:
+    0.4% and 4.3%); the bounds leave room for the other backend and kernel paths: mean <= 4%,
+    max <= 25%, and the argmax (the greedy token given the same context) the same in >= 90% of
+    the steps (measured: 99%)."""
     ids = _greedy_text_ids()[:140] if backend == "cpu" else _greedy_text_ids()[:60]
     model = musespark.load_model(bundled_model_path(), dtype="bfloat16", backend=backend)
     ref = paged_logits(model, ids, 20, torch.bfloat16, block=16)
