@@ -288,15 +288,35 @@ def _positive_int(name: str, value: Any) -> None:
         raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}", param=name)
 
 
+# `kv_cache_dtype` values (vLLM's spellings; what each stores: layers/kv_quant.py).
+FP8_KV_SPELLINGS = ("fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", *FP8_KV_SPELLINGS, "bfloat16", "float16", "float32")
+
+
+def check_kv_cache_dtype(value: object) -> None:
+    """Raise InvalidArgumentError (param `kv_cache_dtype`) unless `value` is one of KV_CACHE_DTYPES;
+    vLLM's other quantized spellings (fp8_e5m2, int8_per_token_head, ...) are named not implemented."""
+    if value in KV_CACHE_DTYPES:
+        return
+    known = isinstance(value, str) and value.startswith(("fp8", "int", "nvfp4", "turboquant", "octave", "ultraquant"))
+    raise InvalidArgumentError(
+        f"kv_cache_dtype {value!r} {'is not implemented' if known else 'is not a KV cache dtype'}; expected one "
+        f"of {list(KV_CACHE_DTYPES)} ('auto': the model's dtype; 'fp8' = 'fp8_e4m3': half the bytes of bfloat16)",
+        param="kv_cache_dtype",
+    )
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: `kv_cache_memory` bytes (None: `kv_cache_fraction` of available
-    RAM), in blocks of `block_size` tokens."""
+    RAM), in blocks of `block_size` tokens, holding keys and values as `kv_cache_dtype` says
+    ("auto": the model's dtype; "fp8"/"fp8_e4m3": float8 e4m3, layers/kv_quant.py)."""
 
     block_size: int
     kv_cache_memory: int | None
     kv_cache_fraction: float
     enable_prefix_caching: bool
+    kv_cache_dtype: str
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -322,6 +342,7 @@ class CacheConfig:
                 f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
                 param="enable_prefix_caching",
             )
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

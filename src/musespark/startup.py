@@ -116,14 +116,18 @@ def serve_summary(engine: Any, parsers: str, url: str) -> str:
     backend = getattr(model, "backend", None)
     name = getattr(backend, "name", type(backend).__name__)
     isa = _isa_path(backend)
-    blocks = engine.core.runner.num_blocks
-    block_size = config.cache.block_size
+    runner = engine.core.runner
+    blocks, block_size = runner.num_blocks, config.cache.block_size
+    held = [t for pair in runner.kv_caches if pair is not None for t in pair]
+    kv_dtype = str(held[0].dtype).removeprefix("torch.") if held else "none"
+    kv_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in held}.values())  # groups share pairs
     par = config.parallel
     lines = [
         f"model:         {engine.model_path}",
         f"dtype:         {str(model.dtype).removeprefix('torch.')}",
         f"backend:       {name}" + (f" (ISA path {isa})" if isa else ""),
-        f"KV cache:      {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens",
+        f"KV cache:      {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens, {kv_dtype}, "
+        f"{kv_bytes} bytes",
         f"max_model_len: {config.scheduler.max_model_len}",
         f"parsers:       {parsers}",
         f"URL:           {url}",

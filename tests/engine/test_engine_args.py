@@ -24,6 +24,7 @@ ENGINE_FLAGS = [
     "--block-size",
     "--kv-cache-memory",
     "--kv-cache-fraction",
+    "--kv-cache-dtype",
     "--enable-prefix-caching",
 ]
 

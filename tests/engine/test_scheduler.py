@@ -51,6 +51,7 @@ def make_scheduler(
         kv_cache_memory=None,
         kv_cache_fraction=EngineArgs.kv_cache_fraction,
         enable_prefix_caching=enable_prefix_caching,
+        kv_cache_dtype=EngineArgs.kv_cache_dtype,
     )
     if "num_blocks" in inspect.signature(Scheduler).parameters:  # the scheduler owns its manager
         sched = Scheduler(config, cache, num_blocks, list(group_windows), group_lookahead)

@@ -54,6 +54,7 @@ OURS_SAMPLES: dict[str, tuple[str, str, str]] = {
     "--pipeline-parallel-size": ("1", "2", ""),
     "--tensor-parallel-size": ("1", "2", ""),
     "--block-size": ("8", "32", ""),
+    "--kv-cache-dtype": ("auto", "fp8", ""),
     "--kv-cache-memory-bytes": ("1G", "2G", ""),
     "--max-num-batched-tokens": ("1024", "4096", ""),
     "--max-num-seqs": ("4", "8", ""),
@@ -81,7 +82,6 @@ CHECKED_SAMPLES: dict[str, list[tuple[str, str]]] = {
     "--decode-context-parallel-size": [("1", "accepted"), ("2", "refused")],
     "--prefill-context-parallel-size": [("1", "accepted"), ("2", "refused")],
     "--data-parallel-size": [("1", "accepted"), ("2", "refused")],
-    "--kv-cache-dtype": [("auto", "accepted"), ("fp8", "refused"), ("fp8_e5m2", "refused"), ("bfloat16", "ignored")],
     "--structured-outputs-config": [
         ('{"backend": "xgrammar"}', "accepted"),
         ('{"backend": "auto"}', "accepted"),

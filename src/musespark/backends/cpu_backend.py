@@ -32,6 +32,7 @@ import torch
 
 from ..kernels import cpu
 from ..layers.attention import AttentionContext, paged_attention
+from ..layers.kv_quant import FP8_KV_DTYPE as FP8
 from ..quant.dense import DenseExperts
 from .base import Rotary
 from .cpu_args import StepArgs, WeightArgs
@@ -157,7 +158,12 @@ class CpuBackend(TorchBackend):
     ) -> torch.Tensor:
         plan, caches = self.plan, ctx.kv_caches
         native = caches is not None and plan.decode_attention(caches[attn.layer][0])
-        if native and q.shape[0] == ctx.num_seqs and q.dtype == k.dtype == caches[attn.layer][0].dtype:
+        if (
+            native
+            and q.shape[0] == ctx.num_seqs
+            and q.dtype == k.dtype
+            and caches[attn.layer][0].dtype in (q.dtype, FP8)
+        ):
             # A pure decode step: the cache writes and the decode kernel in one call (the
             # numbers paged_attention's decode path gives, without its per-layer glue).
             assert ctx.groups is not None and ctx.layer_group is not None

@@ -122,7 +122,7 @@ class DecodePlan:
                     bases[attn.rope_theta] = len(self._rope_layers)
                     self._rope_layers.append(i)
                 rope = bases[attn.rope_theta]
-            k_cache, v_cache = caches[attn.layer]  # of the step's dtype (CpuPlan.whole)
+            k_cache, v_cache = caches[attn.layer]  # of the step's dtype, or fp8 (CpuPlan.whole)
             native.set_attn_in(i, *args.attn_in(layer), rope)
             native.set_attention(i, k_cache, v_cache, layer_group[attn.layer], attn.window or 0, attn.scale)
             native.set_attn_out(i, *args.attn_out(layer))

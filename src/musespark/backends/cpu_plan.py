@@ -12,9 +12,9 @@ What the plan decides, step by step (else: the torch reference's code, with `Cpu
 * a decoder layer (`attn_in`, `attn_out`, `ffn_*`): the fused blocks when `fused_blocks` and
   the step's rows are native (bf16; fp32 up to kFp32FusedMaxRows rows);
 * a pure decode step: one native call (`whole`) when every layer's choice above is the fused
-  blocks and `native_decode`, one row per sequence, caches of the step's dtype;
-* decode attention rows: the paged decode kernel (`native_decode`, bf16/fp32 caches); prompt
-  chunks: the prompt-attention kernel (`native_prefill`, panel paths);
+  blocks and `native_decode`, one row per sequence, caches of the step's dtype or fp8;
+* decode attention rows: the paged decode kernel (`native_decode`, bf16/fp32/fp8 caches); prompt
+  chunks: the prompt-attention kernel (`native_prefill`, panel paths; bf16 queries);
 * embedding norm, final norm, head: native for a bf16 embedding, native rows, a dense head;
 * a weight-only NVFP4 product outside the blocks: the native kernel up to kNvfp4NativeMaxRows
   rows, else the reference GEMM on the decoded weight;
@@ -43,6 +43,11 @@ if TYPE_CHECKING:
 
 ROWS = cpu.thresholds()
 _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float32)
+# The attention kernels also take fp8 e4m3 caches (the fp8 KV cache, layers/kv_quant.py): the
+# decode kernel reads them as stored (its scale is 1.0) and writes a step's keys into them as
+# kv_quant.to_cache does (so the whole-step plan takes them too); prompt chunks get their keys
+# widened to bf16 (paged_attention).
+_ATTENTION_CACHE_DTYPES = (*_NATIVE_CACHE_DTYPES, torch.float8_e4m3fn)
 
 
 def _fusable(fmt: object) -> bool:
@@ -82,7 +87,7 @@ class CpuPlan:
         return self.fused_blocks and self.native_rows(dtype, rows)
 
     def decode_attention(self, cache: torch.Tensor) -> bool:
-        return self.native_decode and cache.dtype in _NATIVE_CACHE_DTYPES
+        return self.native_decode and cache.dtype in _ATTENTION_CACHE_DTYPES
 
     def prefill_attention(self, cache: torch.Tensor) -> bool:
         return self.native_prefill and self.decode_attention(cache)
@@ -104,7 +109,7 @@ class CpuPlan:
             and ctx.kv_caches is not None
             and ctx.groups is not None
             and ctx.layer_group is not None
-            and all(k.dtype == v.dtype == dtype for k, v in ctx.kv_caches)
+            and all(k.dtype == v.dtype and k.dtype in (dtype, torch.float8_e4m3fn) for k, v in ctx.kv_caches)
         )
 
 

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..kernels import triton as triton_kernels
 from ..layers.attention import AttentionContext
+from ..layers.kv_quant import is_fp8
 from ..layers.moe import ROUTER_EPS
 from ..layers.norm import RMSNorm
 from .base import Rotary
@@ -184,6 +185,8 @@ class TritonBackend(TorchBackend):
         positions: torch.Tensor,
         ctx: AttentionContext,
     ) -> torch.Tensor:
+        if ctx.kv_caches is not None and is_fp8(ctx.kv_caches[attn.layer][0].dtype):
+            return super().attention(attn, q, k, v, positions, ctx)  # the Triton kernel takes no fp8 cache
         group = attn.num_heads // attn.num_kv_heads
         cached = self._meta
         if cached is None or cached[0] is not ctx or cached[1].group != group:  # once per step, not per layer

@@ -28,10 +28,20 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.loader import load_config
+from ..checkpoint.loader import load_config, resolve_dtype
 from ..cli_parsing import human_readable_int, human_readable_int_or_auto
-from ..config import BACKENDS, CacheConfig, EngineConfig, ModelSettings, ParallelConfig, SchedulerConfig
+from ..config import (
+    BACKENDS,
+    FP8_KV_SPELLINGS,
+    CacheConfig,
+    EngineConfig,
+    ModelSettings,
+    ParallelConfig,
+    SchedulerConfig,
+    check_kv_cache_dtype,
+)
 from ..errors import InvalidArgumentError
+from ..layers.kv_quant import kv_cache_torch_dtype
 from .spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL_ENV = "MUSESPARK_MODEL"
@@ -145,6 +155,15 @@ class EngineArgs:
         metadata={
             "cli": _flag(
                 "fraction of available memory for the KV cache when --kv-cache-memory is not given", type=float
+            )
+        },
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={
+            "cli": _flag(
+                "KV cache storage: auto (the model's dtype), fp8 or fp8_e4m3 (float8 e4m3, fixed scale 1.0: half "
+                "the bytes of bfloat16, twice the blocks for the same --kv-cache-memory), or the model's dtype by name"
             )
         },
     )
@@ -265,6 +284,14 @@ class EngineArgs:
                 "(the draft reads rank 0's shard of the target); use 'ngram' or one process",
                 param="speculative_config",
             )
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype not in ("auto", *FP8_KV_SPELLINGS):  # an explicit dtype must be the model's
+            try:
+                model_dtype = resolve_dtype(self.dtype, checkpoint)
+            except ValueError:
+                model_dtype = None  # a bad dtype: ModelSettings names it
+            if model_dtype is not None:
+                kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype)
         return EngineConfig(
             model=ModelSettings(
                 path=path,
@@ -280,6 +307,7 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 kv_cache_fraction=self.kv_cache_fraction,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_model_len=max_len, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched
@@ -312,6 +340,7 @@ _CONFIG_FIELD = {
     "kv_cache_memory": ("cache", "kv_cache_memory"),
     "kv_cache_fraction": ("cache", "kv_cache_fraction"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"),
 }
 
 

@@ -15,6 +15,10 @@ target's and it has at most S layers (a block of the draft group is then a block
 other, at no extra bytes); otherwise it gets its own tensors `[num_blocks, ...]` and every
 block's bytes count them. Either way `kv_cache_memory` bounds the target's and the draft's
 K/V together.
+
+The K/V tensors hold `cache.kv_cache_dtype` (the model's dtype, or fp8 e4m3 at one byte a
+value: the same budget buys twice the blocks of bf16; layers/kv_quant.py). A draft shares the
+target's pairs only when its dtype is theirs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CacheConfig, ModelConfig
+from ..layers.kv_quant import kv_cache_torch_dtype
 from .block_pool import num_blocks_for_budget
 from .spec_decode.proposer import DraftKVSpec
 
@@ -69,6 +74,7 @@ class KVPlan:
     group_windows: list[int | None]  # the target's groups, then the draft's (if any)
     group_lookahead: list[int | None]  # None for the target's groups, the draft's lookahead for its group
     draft_shares_slots: bool  # the draft's layer j uses pair j (else tensors of its own)
+    dtype: torch.dtype  # what the target's K/V tensors hold (cache.kv_cache_dtype resolved)
 
 
 def plan_kv_cache(
@@ -83,13 +89,14 @@ def plan_kv_cache(
     held layer's K/V, the draft's included, capped at what `max_num_seqs` sequences can hold."""
     cfg, bs = model.config, cache.block_size
     kv_heads = cfg.num_key_value_heads // model.parallel.tp_size
-    dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
+    kv_dtype = kv_cache_torch_dtype(cache.kv_cache_dtype, model.dtype)
+    dtype_bytes = torch.empty((), dtype=kv_dtype).element_size()  # fp8: 1, half of bf16's
     budget = cache.kv_cache_memory or int(available_memory() * cache.kv_cache_fraction)
     start, end = model.layer_range  # a pipeline stage caches only its own layers' slots
     slots = sorted({layout.layer_slot[i] for i in range(start, end)})
     share = (
         draft is not None
-        and (draft.num_kv_heads, draft.head_dim, draft.dtype) == (kv_heads, cfg.head_dim, model.dtype)
+        and (draft.num_kv_heads, draft.head_dim, draft.dtype) == (kv_heads, cfg.head_dim, kv_dtype)
         and draft.num_layers <= len(slots)
     )
     extra = 0 if draft is None or share else draft.bytes_per_block(bs)
@@ -111,4 +118,4 @@ def plan_kv_cache(
             f"max_model_len={max_model_len} needs {per_seq}; lower max_model_len (--max-model-len) or raise "
             "the KV cache size (--kv-cache-memory, --kv-cache-fraction)"
         )
-    return KVPlan(num_blocks, slots, kv_heads, windows, lookahead, share)
+    return KVPlan(num_blocks, slots, kv_heads, windows, lookahead, share, kv_dtype)

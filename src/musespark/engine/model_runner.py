@@ -176,8 +176,8 @@ class ModelRunner:
         # (measured at 9cb64fd, 2026-12-03).
         slots = {
             s: (
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=plan.dtype, device=model.device),
+                torch.zeros(shape, dtype=plan.dtype, device=model.device),
             )
             for s in plan.slots
         }

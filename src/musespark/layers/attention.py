@@ -12,6 +12,10 @@ sequence's keys and values live:
   layers with separate block tables, so sliding layers can release blocks that fall
   out of their window); `layer_group[i]` names layer i's group.
 
+The cache may hold a narrower dtype than the queries (fp8, layers/kv_quant.py): new K/V are
+written through `store` and every key read here goes through `from_cache` into the queries'
+dtype; a backend hands its native kernels only caches they take (backends/cpu_plan.py).
+
 Masking is by position: a query at position p sees keys at positions <= p, and on a
 sliding layer only those > p - window.
 
@@ -28,6 +32,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from .kv_quant import FP8_KV_DTYPE, from_cache, store
 
 
 @dataclass
@@ -144,7 +150,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal (optionally sliding-window) attention for every sequence of the batch -> [T, nH, D].
     With a paged cache, the new K/V are written first; `decode` (if given) computes the
-    single-query rows, `prefill` (if given) the bf16 chunks of several rows."""
+    single-query rows, `prefill` (if given) the bf16 chunks of several rows (from a bf16 or an
+    fp8 cache, whose keys it gets widened to bf16)."""
     out = torch.empty_like(q)
     qsl = ctx.query_start_loc
     if ctx.kv_caches is None:
@@ -164,8 +171,8 @@ def paged_attention(
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     k_flat = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     v_flat = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    k_flat.index_copy_(0, group.slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, group.slot_mapping, v.to(v_flat.dtype))
+    store(k_flat, group.slot_mapping, k)
+    store(v_flat, group.slot_mapping, v)
     if q.shape[0] == ctx.num_seqs:  # pure decode: one query per sequence, one batched call
         if decode is not None:
             out = decode(
@@ -202,11 +209,11 @@ def paged_attention(
         s, e = qsl[b], qsl[b + 1]
         if e == s or (single and e - s == 1) or b in skip:
             continue
-        if prefill is not None and q.dtype == k_flat.dtype == torch.bfloat16:
+        if prefill is not None and q.dtype == torch.bfloat16 and k_flat.dtype in (torch.bfloat16, FP8_KV_DTYPE):
+            # an fp8 cache's keys and values widen to bf16 exactly (e4m3 is a subset of bf16)
             slots, k_pos = _reachable_slots(group.block_tables[b], ctx.seq_lens[b], e - s, block_size, window)
-            out[s:e] = prefill(
-                q[s:e], k_flat[slots], v_flat[slots], ctx.seq_lens[b] - (e - s), int(k_pos[0]), window or 0, scale
-            )
+            keys, values = from_cache(k_flat[slots], q.dtype), from_cache(v_flat[slots], q.dtype)
+            out[s:e] = prefill(q[s:e], keys, values, ctx.seq_lens[b] - (e - s), int(k_pos[0]), window or 0, scale)
             continue
         out[s:e] = _attend_chunk(
             q[s:e], k_flat, v_flat, positions[s:e], group.block_tables[b], ctx.seq_lens[b], block_size, scale, window
@@ -237,16 +244,16 @@ def _attend_chunk(
     if n <= PREFILL_QUERY_BLOCK:
         slots, k_pos = _reachable_slots(table, seq_len, n, block_size, window)
         plain = seq_len == n and (window is None or n <= window)
-        return _attend(q, k_flat[slots], v_flat[slots], positions, k_pos, scale, window, plain_causal=plain)
+        keys, values = from_cache(k_flat[slots], q.dtype), from_cache(v_flat[slots], q.dtype)
+        return _attend(q, keys, values, positions, k_pos, scale, window, plain_causal=plain)
     out = torch.empty_like(q)
     for s in range(0, n, PREFILL_QUERY_BLOCK):
         e = min(n, s + PREFILL_QUERY_BLOCK)
         end = seq_len - n + e  # the block's rows are the last e - s of the first `end` positions
         slots, k_pos = _reachable_slots(table, end, e - s, block_size, window)
         plain = end == e - s and (window is None or e - s <= window)
-        out[s:e] = _attend(
-            q[s:e], k_flat[slots], v_flat[slots], positions[s:e], k_pos, scale, window, plain_causal=plain
-        )
+        keys, values = from_cache(k_flat[slots], q.dtype), from_cache(v_flat[slots], q.dtype)
+        out[s:e] = _attend(q[s:e], keys, values, positions[s:e], k_pos, scale, window, plain_causal=plain)
     return out
 
 
@@ -338,8 +345,8 @@ def _decode_attention(
     mask = (k_pos <= q_pos) & valid_block.repeat_interleave(block_size, dim=1)
     if window is not None:
         mask &= k_pos > q_pos - window
-    keys = k_flat[slots].transpose(1, 2)  # [B, nKV, L, D]
-    values = v_flat[slots].transpose(1, 2)
+    keys = from_cache(k_flat[slots], q.dtype).transpose(1, 2)  # [B, nKV, L, D]
+    values = from_cache(v_flat[slots], q.dtype).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :],
         keys,

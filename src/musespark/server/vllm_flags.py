@@ -143,14 +143,6 @@ def _check_executor_backend(flag: VllmFlag, value: Any) -> str | None:
     return f"refused: only mp (local workers) and external_launcher (torchrun) are implemented, got {value!r}"
 
 
-def _check_kv_cache_dtype(flag: VllmFlag, value: Any) -> str | None:
-    if value == "auto":
-        return None
-    if value.startswith("fp8"):
-        return "refused: fp8 KV cache is not implemented; use --kv-cache-dtype auto"
-    return f"ignored: the KV cache is kept in the model's dtype, not {value}"
-
-
 def _check_quantization(flag: VllmFlag, value: Any) -> str | None:
     if value in ("modelopt_fp4", "modelopt"):
         return None  # an NVFP4 checkpoint: its own quantization config is read (musespark.quant.config)
@@ -174,7 +166,6 @@ CHECKS: dict[str, Callable[[VllmFlag, Any], str | None]] = {
     "--data-parallel-size": _check_parallel,
     "--decode-context-parallel-size": _check_parallel,
     "--prefill-context-parallel-size": _check_parallel,
-    "--kv-cache-dtype": _check_kv_cache_dtype,
     "--quantization": _check_quantization,
     "--structured-outputs-config": _check_structured_outputs,
 }

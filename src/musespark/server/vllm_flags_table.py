@@ -205,7 +205,7 @@ TABLE = """
 --block-size                                          value    ours
 --gpu-memory-utilization,--device-memory-utilization  value    ignored: GPU-only setting (this engine runs on CPU)
 --kv-cache-memory-bytes                               value    ours
---kv-cache-dtype                                      value    checked: auto accepted; fp8* refused; others ignored
+--kv-cache-dtype                                      value    ours
 --num-gpu-blocks-override                             value    ignored: GPU-only setting (this engine runs on CPU)
 --enable-prefix-caching                               bool     ours
 --prefix-caching-hash-algo                            value    ignored: engine-internal scheduler tuning with no equivalent here

@@ -2,14 +2,16 @@
 // block-paged cache (no gather, no mask tensor). The ops and the split of the work; the
 // kernels are attention/decode_avx2.cpp and the dispatch table's decode_attention.
 //
-// q [B, nH, D] fp32; k_cache, v_cache [num_blocks, block_size, nKV, D] (bf16 or fp32);
+// q [B, nH, D] fp32; k_cache, v_cache [num_blocks, block_size, nKV, D] (bf16, fp32, or float8
+// e4m3 read as stored, the fp8 KV cache's scale 1.0: layers/kv_quant.py; through the AVX2
+// kernel);
 // block_tables [B, max_blocks] int64; seq_lens [B] int64. Sequence b's query sits at
 // position seq_lens[b] - 1 and sees keys at positions [max(0, pos - window + 1), pos]
 // (window 0: all). Head h reads KV head h / (nH / nKV). Scores and the softmax are fp32:
 // softmax(scale * q.k) @ v, exp by a polynomial good to ~1e-7 relative; the result is
 // fp32 [B, nH, D]. D % 8 == 0. `paged_decode_step` is the same attention for a decode step
 // of one layer in one call: it first writes the step's keys and values into the cache, takes
-// q in the cache's dtype (bf16 or fp32) and returns that dtype.
+// q in the cache's dtype (bf16 or fp32; either over an fp8 cache) and returns q's dtype.
 //
 // Dispatch (common/dispatch.h): on paths with a decode_attention kernel (avx512_bf16, amx), a
 // bf16 cache whose queries hold bf16 values (a bf16 model's) takes it where decode_fits
@@ -86,8 +88,9 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
               op, ": k_cache/v_cache must be contiguous [num_blocks, block_size, nKV, D] alike");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat, op,
-              ": the cache must be bfloat16 or float32");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kFloat ||
+                  k_cache.scalar_type() == at::kFloat8_e4m3fn,
+              op, ": the cache must be bfloat16, float32 or float8_e4m3fn");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   block_tables.dim() == 2 && seq_lens.dim() == 1 && block_tables.is_contiguous() &&
                   seq_lens.is_contiguous(),
@@ -176,6 +179,8 @@ at::Tensor decode_core(const at::Tensor& q, const at::Tensor& k_cache, const at:
   };
   if (k_cache.scalar_type() == at::kBFloat16)
     run(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  else if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
+    run(k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>());
   else
     run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   return out;
@@ -195,35 +200,62 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 namespace musespark_ops {  // entry point: common/ops.h
 
-// One decode step of a layer in one call: the new keys and values k, v [B, nKV, D] (the
-// cache's dtype) are written at slot_mapping [B] (flat slot = block * block_size + offset),
-// then every sequence's query q [B, nH, D] (the cache's dtype) attends as in
+namespace {
+// Rows x [B, n] (bf16 or fp32) into the fp8 cache rows `slot` (n values each), as
+// layers/kv_quant.py's to_cache does: saturated at +-448, then rounded to nearest even (c10's
+// conversion, the one torch's cast uses), scale 1.0.
+void write_fp8(const at::Tensor& x, at::Tensor& cache, const int64_t* slot, int64_t B, int64_t n) {
+  auto* dst = cache.data_ptr<c10::Float8_e4m3fn>();
+  auto put = [&](auto* src) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < n; ++i)
+        dst[slot[b] * n + i] = c10::Float8_e4m3fn(std::clamp(static_cast<float>(src[b * n + i]), -448.f, 448.f));
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    put(x.data_ptr<at::BFloat16>());
+  else
+    put(x.data_ptr<float>());
+}
+}  // namespace
+
+// One decode step of a layer in one call: the new keys and values k, v [B, nKV, D] (q's dtype)
+// are written at slot_mapping [B] (flat slot = block * block_size + offset; into an fp8 cache
+// saturated and rounded as layers/kv_quant.py's to_cache), then every sequence's query q
+// [B, nH, D] (the cache's dtype, or bf16/fp32 over an fp8 cache) attends as in
 // paged_decode_attention; the result is q's dtype (bf16: rounded once from fp32).
 at::Tensor paged_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                              at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, int64_t window, double scale) {
   const char* op = "paged_decode_step";
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(), op,
-              ": q must be contiguous [B, nH, D] in the cache's dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
+                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat) &&
+                  (fp8 || q.scalar_type() == k_cache.scalar_type()),
+              op, ": q must be contiguous [B, nH, D] in the cache's dtype (bf16 or fp32; any of them for fp8)");
   const int64_t B = q.size(0), nH = q.size(1), D = q.size(2);
   check_cache(k_cache, v_cache, block_tables, seq_lens, window, B, nH, D, op);
   const int64_t nKV = k_cache.size(2), slots = k_cache.size(0) * k_cache.size(1);
   for (const at::Tensor* t : {&k, &v})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == nKV && t->size(2) == D && t->is_contiguous() &&
-                    t->scalar_type() == k_cache.scalar_type(),
-                op, ": k and v must be contiguous [B, nKV, D] in the cache's dtype");
+                    t->scalar_type() == q.scalar_type(),
+                op, ": k and v must be contiguous [B, nKV, D] in q's dtype");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == B && slot_mapping.scalar_type() == at::kLong &&
                   slot_mapping.is_contiguous(),
               op, ": slot_mapping must be contiguous int64 [B]");
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < slots, op, ": slot_mapping[", b, "]=", slot[b], " is outside the cache");
-  const int64_t row = nKV * D * static_cast<int64_t>(k.element_size());
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t b = 0; b < B; ++b) {
-    std::memcpy(kc + slot[b] * row, static_cast<const char*>(k.data_ptr()) + b * row, static_cast<size_t>(row));
-    std::memcpy(vc + slot[b] * row, static_cast<const char*>(v.data_ptr()) + b * row, static_cast<size_t>(row));
+  if (fp8) {
+    write_fp8(k, k_cache, slot, B, nKV * D);
+    write_fp8(v, v_cache, slot, B, nKV * D);
+  } else {
+    const int64_t row = nKV * D * static_cast<int64_t>(k.element_size());
+    auto* kc = static_cast<char*>(k_cache.data_ptr());
+    auto* vc = static_cast<char*>(v_cache.data_ptr());
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(kc + slot[b] * row, static_cast<const char*>(k.data_ptr()) + b * row, static_cast<size_t>(row));
+      std::memcpy(vc + slot[b] * row, static_cast<const char*>(v.data_ptr()) + b * row, static_cast<size_t>(row));
+    }
   }
   at::Tensor out = decode_core(q, k_cache, v_cache, block_tables, seq_lens, window, scale);
   if (q.scalar_type() == at::kFloat) return out;

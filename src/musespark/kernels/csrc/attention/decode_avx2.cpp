@@ -1,6 +1,6 @@
 // Paged decode attention on AVX2 + FMA for one KV head (attention/decode_avx2.h;
-// attention/decode_attention.cpp states the contract): fp32 scores and softmax, fp32 or bf16
-// cache rows widened in registers.
+// attention/decode_attention.cpp states the contract): fp32 scores and softmax, fp32, bf16 or
+// fp8 e4m3 cache rows widened in registers.
 #include "decode_avx2.h"
 
 #include <c10/util/BFloat16.h>
@@ -118,5 +118,9 @@ template void attend_head<float>(const float* q, int64_t G, int64_t D, const flo
 template void attend_head<at::BFloat16>(const float* q, int64_t G, int64_t D, const at::BFloat16* k_cache,
                                         const at::BFloat16* v_cache, int64_t slot_stride, const int64_t* slots,
                                         int64_t L, float scale, float* scores, float* out);
+template void attend_head<c10::Float8_e4m3fn>(const float* q, int64_t G, int64_t D,
+                                              const c10::Float8_e4m3fn* k_cache, const c10::Float8_e4m3fn* v_cache,
+                                              int64_t slot_stride, const int64_t* slots, int64_t L, float scale,
+                                              float* scores, float* out);
 
 }  // namespace musespark_attention

@@ -1,6 +1,7 @@
 // Shared AVX2 helpers of the CPU kernels.
 #pragma once
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -16,6 +17,21 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// float8 e4m3 (the fp8 KV cache, layers/kv_quant.py; scale 1.0: the values as stored), 8 values:
+// a normal value's 4 exponent and 3 mantissa bits placed under an fp32 exponent rebiased by
+// 127 - 7; a subnormal one (exponent bits 0) is m * 2^-9, exact in fp32; then the sign. Every
+// finite e4m3 value converts exactly (the NaN pattern, never stored, reads as 480).
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+  const __m256 normal =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512.f));
+  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), _mm256_castsi256_ps(sign));
 }
 
 inline float hsum(__m256 v) {
