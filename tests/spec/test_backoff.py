@@ -88,3 +88,15 @@ def test_rests_next_foretells_a_step_without_drafts():
             rests += resting
     assert probes > 6 and rests > 900
     assert not Backoff().rests_next("new")  # a new request drafts
+
+
+def test_the_probe_interval_is_the_proposers():
+    """A proposer whose drafts cost a model pass (dspark) probes less often than a lookup."""
+    from musespark.engine.spec_decode.dspark import DSparkProposer
+    from musespark.engine.spec_decode.ngram import NgramProposer
+
+    assert DSparkProposer.probe_interval > NgramProposer.probe_interval == backoff.PROBE
+    b = Backoff(probe=DSparkProposer.probe_interval)
+    back_off(b)
+    allowed = run(b, 2 * DSparkProposer.probe_interval, accept=False)
+    assert [i for i, n in enumerate(allowed) if n] == [DSparkProposer.probe_interval - 1]

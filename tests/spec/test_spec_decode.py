@@ -453,7 +453,7 @@ def test_verification_rows_are_bit_identical_to_decode_rows(method):
     # A prompt whose continuation the bundled model partly copies, so drafts are accepted early
     # (a request whose first drafts all fail backs off: engine/spec_decode/backoff.py).
     text = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=96, logprobs=1)
     base = LLM(enable_prefix_caching=False).generate(text, params)[0].outputs[0]
     llm = LLM(enable_prefix_caching=False, speculative_config=spec)
     spec = llm.generate(text, params)[0].outputs[0]

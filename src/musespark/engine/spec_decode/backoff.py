@@ -12,10 +12,12 @@ step. So each request's drafts are sized by what its last draft earned:
 * a one-token draft that is rejected starts the back-off: the request drafts only on probe
   steps, one token each, `interval` steps apart (first `PROBE`). A probe that is accepted
   ends the back-off (the next draft has two tokens); one that is not makes the interval
-  `GROWTH` times longer, up to `PROBE_MAX`.
+  `GROWTH` times longer, up to `PROBE_MAX`. `probe` is the proposer's (`Proposer.probe_interval`):
+  a probe should cost a few percent of the steps it waits, and a draft that takes a model pass
+  (dspark: about two target decode steps on a small model) costs more than a lookup (ngram).
 
 So text that nothing predicts costs one rejected one-token check, then one probe every
-PROBE, PROBE * GROWTH, ... steps, and predictable text reaches the full draft in a few
+probe, probe * GROWTH, ... steps, and predictable text reaches the full draft in a few
 steps. Outputs never depend on any of this: drafts only change speed. The budget given to
 `allowance` (num_speculative_tokens, max_tokens, max_model_len) caps every size.
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 START = 1
-PROBE = 16
+PROBE = 16  # the first probe interval of a proposer that names none (Proposer.probe_interval)
 GROWTH = 4
 PROBE_MAX = 256
 
@@ -46,10 +48,11 @@ class _State:
 
 
 class Backoff:
-    def __init__(self, start: int = START) -> None:
-        if start < 1:
-            raise ValueError(f"start must be >= 1 draft token, got {start}")
+    def __init__(self, start: int = START, probe: int = PROBE) -> None:
+        if start < 1 or probe < 1:
+            raise ValueError(f"start and probe must be >= 1, got {start} and {probe}")
         self.start = start  # a new request's first draft size
+        self.probe = probe  # steps to the first probe once a request backs off
         self._state: dict[str, _State] = {}
 
     def drop(self, request_id: str) -> None:
@@ -73,7 +76,7 @@ class Backoff:
         elif drafted > 1:
             st.size = 1
         else:
-            st.interval, st.idle = PROBE, 0
+            st.interval, st.idle = self.probe, 0
 
     def backing_off(self, request_id: str) -> bool:
         st = self._state.get(request_id)

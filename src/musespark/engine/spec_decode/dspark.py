@@ -48,6 +48,11 @@ STANDALONE_BLOCK_SIZE = 16
 
 
 class DSparkProposer(Proposer):
+    # A probe is a block pass of the draft (about two target decode steps of the bundled model
+    # on one CPU thread) plus a context row and a verified row: probing every 64 steps keeps a
+    # request whose drafts keep failing within a few percent of plain decoding.
+    probe_interval = 64
+
     def __init__(
         self,
         draft: DSparkDraft,

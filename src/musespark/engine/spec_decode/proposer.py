@@ -58,6 +58,7 @@ class Proposal:
 
 class Proposer(ABC):
     aux_layers: tuple[int, ...] = ()  # decoder layer indices whose output stream the target exports
+    probe_interval: int = 16  # steps to the first probe of a request backing off (backoff.py)
     kv_spec: DraftKVSpec | None = None  # K/V of its own, held in the engine's KV cache
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:

@@ -92,7 +92,7 @@ class Speculator:
         self.proposer = proposer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.backoff = Backoff()
+        self.backoff = Backoff(probe=proposer.probe_interval)
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
