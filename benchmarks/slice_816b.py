@@ -37,8 +37,8 @@ page-cache state belong to one load:
    token and multiply-adds per prompt token are computed from the real config
    (`slice_config(N)` with the preset's layer count, bf16 experts in layers 0 and 61 as
    released, the writer's exact tensor list); batch-1 tokens/s = the slice's achieved batch-1
-   GB/s / those bytes; prefill tokens/s = the slice's measured multiply-adds per second / the
-   model's per token.
+   GB/s / those bytes (and the roofline: the probed bandwidth / those bytes); prefill tokens/s =
+   the slice's measured multiply-adds per second / the model's per token.
 
 Prints a summary to stderr, then ONE JSON line last on stdout.
 """
@@ -350,7 +350,7 @@ def run_child(argv: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def projection(decode_b1: dict | None, prefill: dict | None, layers: int | None) -> dict:
+def projection(decode_b1: dict | None, prefill: dict | None, layers: int | None, bandwidth: float) -> dict:
     """Whole-model figures from the slice's measured rates (not measured)."""
     from write_816b_slice import slice_config, slice_tensors
 
@@ -372,6 +372,7 @@ def projection(decode_b1: dict | None, prefill: dict | None, layers: int | None)
         "batch1_bytes_per_token": int(token_bytes),
         "prefill_macs_per_token": int(token_macs),
     }
+    out["batch1_roofline_tok_s_at_probe"] = round(bandwidth / token_bytes, 3)
     if decode_b1:
         rate = decode_b1["achieved_gb_s"] * 1e9
         out["batch1_decode_tok_s"] = round(rate / token_bytes, 3)
@@ -527,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 diff = check["max_diff_over_max_logit"]
                 log(f"check: max diff / max logit {diff:.2e}, greedy match {check['greedy_match']}")
-        proj = projection(bench["decode"].get("1"), bench["prefill"], args.projection_layers)
+        proj = projection(
+            bench["decode"].get("1"), bench["prefill"], args.projection_layers, bench["bandwidth_bytes_per_s"]
+        )
         if "batch1_decode_tok_s" in proj:
             log(f"PROJECTION (not measured): whole model batch-1 decode {proj['batch1_decode_tok_s']} tok/s")
         from musespark.bench.common import print_json
