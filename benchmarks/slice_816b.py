@@ -40,7 +40,8 @@ page-cache state belong to one load:
    GB/s / those bytes (and the roofline: the probed bandwidth / those bytes); prefill tokens/s =
    the slice's measured multiply-adds per second / the model's per token.
 
-Prints a summary to stderr, then ONE JSON line last on stdout.
+--avx2-only runs every child as on an AVX2-only x86 CPU (the JSON line's machine.isa_limits
+records it). Prints a summary to stderr, then ONE JSON line last on stdout.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from musespark.cpu_features import AVX2_ONLY_ENV
+
+# --avx2-only: each library reads its instruction-set cap when it loads, so the script restarts
+# itself with the caps set; the child processes inherit them.
+if "--avx2-only" in sys.argv[1:] and any(os.environ.get(k) != v for k, v in AVX2_ONLY_ENV.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ONLY_ENV})
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1] / "tools"))
@@ -423,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="native vs torch logits, two processes")
     ap.add_argument("--check-steps", type=int, default=4)
     ap.add_argument("--projection-layers", type=int, default=None, help="default: the 816B preset's")
+    ap.add_argument(
+        "--avx2-only", action="store_true", help="run as on an AVX2-only x86 CPU (musespark.cpu_features.AVX2_ONLY_ENV)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -549,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             "projection_816b": proj,
             "child_machine": bench["machine"],
             "seed": args.seed,
+            "avx2_only": args.avx2_only,
         }
         cfg = result["config"]
         result["config"] = {
