@@ -100,3 +100,30 @@ def test_the_probe_interval_is_the_proposers():
     back_off(b)
     allowed = run(b, 2 * DSparkProposer.probe_interval, accept=False)
     assert [i for i, n in enumerate(allowed) if n] == [DSparkProposer.probe_interval - 1]
+
+
+def test_finished_requests_leave_no_back_off_state():
+    """Every request that drafts gets a state; finishing (length, stop string) and aborting drop it,
+    so a long-running server does not grow one per request it ever served."""
+    from musespark import LLM, SamplingParams
+
+    llm = LLM(
+        enable_prefix_caching=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    engine = llm.engine
+    text = "one two three one two three one two three one"
+    engine.add_request("length", text, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    engine.add_request("stop", text, SamplingParams(temperature=0.0, max_tokens=12, stop=["two"], ignore_eos=True))
+    engine.add_request("abort", text, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+    state = engine.core.speculator.backoff._state
+    seen = set()
+    for step in range(40):
+        engine.step()
+        seen |= set(state)
+        if step == 3:
+            engine.abort_request("abort")
+        if not engine.has_unfinished_requests():
+            break
+    assert seen >= {"length", "abort"}  # they drafted
+    assert state == {}

@@ -127,8 +127,6 @@ class Speculator:
         self, batch: ScheduledBatch, out: ModelRunnerOutput, computed_before: list[int], finished: list[Request]
     ) -> None:
         """Count acceptance, forget finished and preempted requests, propose next drafts."""
-        for request in [*batch.preempted, *finished]:
-            self.drop(request.request_id)
         asks: list[ProposalRequest] = []
         targets: list[Request] = []
         for i, request in enumerate(batch.requests):
@@ -158,6 +156,9 @@ class Speculator:
             table = None if self.draft_group is None else batch.block_tables[i][self.draft_group]
             asks.append(ProposalRequest(request.request_id, request.token_ids, start, hidden, budget, table))
             targets.append(request)
+        # last: a request that finished in this step had its drafts recorded above
+        for request in [*batch.preempted, *finished]:
+            self.drop(request.request_id)
         if not asks:
             return
         for ask, request, proposal in zip(asks, targets, self.proposer.propose(asks)):
