@@ -20,12 +20,12 @@ import dataclasses
 
 import pytest
 import torch
+from test_paged_forward import CFG  # a small random model: full and sliding layers, dense and MoE
 
 import musespark
 from musespark import LLM
 from musespark.backends.cpu_plan import CpuPlan
 from musespark.cli import build_parser, main
-from musespark.config import ModelConfig
 from musespark.engine.args import EngineArgs, bundled_model_path
 from musespark.errors import InvalidArgumentError
 from musespark.layers import attention, kv_quant
@@ -33,25 +33,6 @@ from musespark.layers.attention import AttentionContext, KVGroup
 from musespark.model import MuseSparkForCausalLM, init_random_weights
 
 FP8 = torch.float8_e4m3fn
-# A small random-weight model with full and sliding layers, dense and MoE ones.
-CFG = ModelConfig(
-    vocab_size=96,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    moe_hidden_size=24,
-    moe_intermediate_size=32,
-    num_local_experts=6,
-    num_experts_per_tok=2,
-    sliding_window=7,
-    bos_token_id=1,
-    eos_token_id=2,
-    mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
-    rope_theta=10000.0,
-)
 
 
 def paged_logits(model, ids: list[int], n_prompt: int, cache_dtype: torch.dtype, block: int = 4) -> torch.Tensor:

@@ -207,7 +207,8 @@ def test_inference_routes_and_invocations_need_the_api_key(server):
 # -- /load, /tokenizer_info, ORCA --------------------------------------------------------------------
 
 
-async def _load_while_streaming(url: str) -> tuple[int, int]:
+async def load_while_streaming(url: str) -> tuple[int, int]:
+    """(/load while a completion streams, /load after it)."""
     body = {"prompt": "hi", "max_tokens": 64, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
@@ -222,7 +223,7 @@ async def _load_while_streaming(url: str) -> tuple[int, int]:
 
 
 def test_load_counts_requests_in_flight(server):
-    during, after = asyncio.run(_load_while_streaming(server.url))
+    during, after = asyncio.run(load_while_streaming(server.url))
     assert (during, after) == (1, 0)
 
 

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_endpoints import load_while_streaming
 from test_server import API_KEY, MAX_MODEL_LEN, MODEL_NAME, ServerProcess
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -118,19 +119,6 @@ def test_request_metrics_move_with_requests(server, client):
     assert waiting == sample(after, "vllm:num_requests_waiting")
 
 
-async def _load_while_streaming(url: str) -> int:
-    body = {"prompt": "hi", "max_tokens": 32, "ignore_eos": True, "stream": True}
-    async with httpx.AsyncClient(timeout=60) as http:
-        async with http.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
-            it = r.aiter_lines()
-            while not (await it.__anext__()).startswith("data:"):
-                pass
-            during = (await http.get(f"{url}/load")).json()["server_load"]
-            async for _ in it:
-                pass
-    return during
-
-
 def test_load_and_tokenizer_info_without_their_flags(server):
-    assert asyncio.run(_load_while_streaming(server.url)) == 0  # vLLM: /load reports 0 when not tracking
+    assert asyncio.run(load_while_streaming(server.url))[0] == 0  # vLLM: /load reports 0 when not tracking
     assert httpx.get(f"{server.url}/tokenizer_info", timeout=10).status_code == 404

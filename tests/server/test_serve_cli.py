@@ -248,20 +248,8 @@ def test_llm_chat_gives_the_parsed_view_beside_the_raw_text():
     from musespark import LLM, SamplingParams
 
     llm = LLM(max_model_len=2048)
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "Get the current weather for a city.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string", "description": "City name, e.g. Paris"}},
-                    "required": ["city"],
-                },
-            },
-        }
-    ]
+    from test_startup import TOOLS as tools
+
     (out,) = llm.chat(
         [{"role": "user", "content": "What's the weather like in Paris right now?"}],
         SamplingParams(temperature=0, max_tokens=200),
