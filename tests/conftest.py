@@ -37,7 +37,13 @@ def save_random_checkpoint(path: Path, cfg, seed: int) -> Path:
 # per path; a path this CPU cannot execute is skipped with a message naming it, never
 # silently. "amx_emulated" is the amx_bf16 path with its tile instructions modelled in
 # software (kernels/csrc/common/amx_tiles.h): the AMX schedule checked on CPUs without AMX.
-KERNEL_PATHS = {"avx2": "avx2", "avx512_bf16": "avx512_bf16", "amx_emulated": "avx512_bf16", "amx_bf16": "amx_bf16"}
+KERNEL_PATHS = {
+    "avx2": "avx2",
+    "avx512": "avx512",
+    "avx512_bf16": "avx512_bf16",
+    "amx_emulated": "avx512_bf16",
+    "amx_bf16": "amx_bf16",
+}
 
 
 @pytest.fixture(params=tuple(KERNEL_PATHS))

@@ -66,7 +66,7 @@ def detected_isa() -> str:
     f = cpu_flags()
     if not (is_x86() and {"avx2", "fma"} <= f):
         return "none"
-    if not {"avx512f", "avx512bw", "avx512vl"} <= f:
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f:
         return "avx2"
     if "avx512_bf16" not in f:
         return "avx512"

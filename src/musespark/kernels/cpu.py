@@ -84,7 +84,8 @@ def kernel_path() -> str:
     """The code path the loaded native kernels run: "amx_bf16" (the avx512_bf16 path with the
     panel product on AMX tiles, on CPUs with AMX-BF16 whose tiles passed `amx_check`),
     "avx512_bf16" (vdpbf16ps products and the AVX-512 NVFP4 decode, on CPUs with
-    AVX-512-BF16), "avx2" (AVX2+FMA, every other kernel and every other CPU), or "none" when
+    AVX-512-BF16), "avx512" (bf16 weights widened to fp32 on 16 lanes and the AVX-512 NVFP4
+    decode, on CPUs with AVX-512F/BW/VL/DQ but no bf16 hardware), "avx2" (AVX2+FMA, every other kernel and every other CPU), or "none" when
     they are unavailable."""
     ops = native_ops()
     return "none" if ops is None else str(ops.isa_path())
@@ -125,7 +126,7 @@ def expert_panels(expert_bytes: int) -> bool:
 def path_for(level: str) -> str:
     """The kernel path an ISA level (cpu_features.ISA_LEVELS) runs (amx_bf16: once its tiles
     pass `amx_check`)."""
-    return level if level in ("avx512_bf16", "amx_bf16") else "avx2"
+    return level if level in ("avx512", "avx512_bf16", "amx_bf16") else "avx2"
 
 
 # The paths whose bf16 products read packed weight panels (kernels/csrc/gemm/jobs.h); "amx_emulated"

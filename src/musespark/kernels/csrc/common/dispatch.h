@@ -6,7 +6,8 @@
 // such kernel and the AVX2 code beside the caller runs instead (gemm/avx2_tiles.h,
 // attention/decode_avx2.h), or the operation is unavailable (prompt attention on avx2).
 //
-// The rows: avx2 (nothing but the AVX2 code); avx512_bf16 (vdpbf16ps products, the AVX-512
+// The rows: avx2 (nothing but the AVX2 code); avx512 (AVX-512F without bf16 hardware: bf16
+// weights widened to fp32 on 16 lanes and the AVX-512 NVFP4 decode); avx512_bf16 (vdpbf16ps products, the AVX-512
 // NVFP4 decode, AVX-512 attention); amx_bf16 (avx512_bf16 with the panel product and prompt
 // attention on AMX tiles); amx_emulated (amx_bf16 with the tile instructions modelled in
 // software, for tests). Two rows that run different kernels for an operation give other bits,
@@ -18,11 +19,13 @@
 
 namespace musespark_dispatch {
 
-enum Path : int { kAvx2 = 0, kAvx512Bf16 = 1, kAmxEmulated = 2, kAmxBf16 = 3, kPaths = 4 };
+enum Path : int { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmxEmulated = 3, kAmxBf16 = 4, kPaths = 5 };
 
 // gemm/gemm_kernels.h states the contracts.
 using Bf16Dots = void (*)(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
                           float* y, int64_t ldy);
+using Widened = void (*)(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
+                         int64_t ldy);
 using Bf16Panels = void (*)(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1,
                             float* y, int64_t ldy, uint32_t* pk, const uint32_t* packed);
 // nvfp4/nvfp4.h states the contract.
@@ -41,7 +44,7 @@ using PrefillRows = void (*)(const uint16_t* q, int64_t nH, int64_t D, int64_t h
 using TileState = void (*)();
 
 struct Kernels {
-  const char* name;  // the path's name: "avx2", "avx512_bf16", "amx_emulated", "amx_bf16"
+  const char* name;  // the path's name: "avx2", "avx512", "avx512_bf16", "amx_emulated", "amx_bf16"
   // gemm: products whose x and w both hold bf16 values (null: the AVX2 fp32 tiles take them).
   // bf16_dots for decode rows, bf16_panels for prompt rows and packed weights (gemm/jobs.h
   // split_prompt_runs); two fixed summation orders, each batch invariant.
@@ -50,6 +53,8 @@ struct Kernels {
   // bf16_panels keeps superblocks of rows in L2 across the panels of a call (run_jobs then
   // takes several panels at a time: gemm/jobs.cpp steal_chunk).
   bool panel_superblocks;
+  // bf16 weights times x without bf16 hardware, widened to fp32 (null: the AVX2 fp32 tiles).
+  Widened widened;
   // NVFP4 weight rows, and the x order and magnitude tables they read (nvfp4/nvfp4_tables.h:
   // `pairs` the AVX-512 order, 16 signed magnitudes per scale byte; else 8 magnitudes).
   Nvfp4Rows nvfp4_rows;

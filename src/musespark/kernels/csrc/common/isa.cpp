@@ -16,12 +16,13 @@ namespace musespark_isa {
 namespace {
 std::atomic<bool> invariant{true};
 
-bool cpu_has_avx512_bf16() {
+bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
+
+bool cpu_has_avx512_bf16() { return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
 // AMX-TILE and AMX-BF16 in CPUID (leaf 7: EDX bits 24 and 22), their state enabled by the OS
 // (XCR0 bits 17-18), and this process allowed to use it.
@@ -40,6 +41,7 @@ bool cpu_runs(int path) {
   using namespace musespark_dispatch;
   switch (path) {
     case kAvx2: return true;
+    case kAvx512: return cpu_has_avx512();
     case kAvx512Bf16:
     case kAmxEmulated: return cpu_has_avx512_bf16();
     case kAmxBf16: return cpu_has_avx512_bf16() && cpu_has_amx();
@@ -54,13 +56,13 @@ void set_batch_invariant(bool on) { invariant.store(on, std::memory_order_relaxe
 
 namespace {
 
-// The kernels' code path (common/dispatch.h): "avx2", "avx512_bf16", "amx_bf16", or
+// The kernels' code path (common/dispatch.h): "avx2", "avx512", "avx512_bf16", "amx_bf16", or
 // "amx_emulated" (the amx_bf16 path with its tile instructions modelled in software: tests
 // only). Returns the path now in use.
 std::string set_isa(const std::string& path) {
   const musespark_dispatch::Path want = musespark_dispatch::path_named(path.c_str());
   TORCH_CHECK(want != musespark_dispatch::kPaths,
-              "set_isa: expected 'avx2', 'avx512_bf16', 'amx_bf16' or 'amx_emulated', got '", path, "'");
+              "set_isa: expected 'avx2', 'avx512', 'avx512_bf16', 'amx_bf16' or 'amx_emulated', got '", path, "'");
   TORCH_CHECK(musespark_isa::cpu_runs(want), "set_isa: this CPU cannot run the ", path, " kernels");
   musespark_dispatch::set_path(want);
   return path;

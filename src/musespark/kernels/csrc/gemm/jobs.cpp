@@ -319,6 +319,7 @@ void run_jobs(const std::vector<Job>& given) {
   const Nvfp4Inputs q = nvfp4_inputs(jobs);
   const std::vector<int64_t> bounds =
       split_tiles(jobs, first, weight_rows > kMinParallelRows ? at::get_num_threads() : 1);
+  const musespark_dispatch::Widened widened = musespark_dispatch::kernels().widened;
   // Tiles [t0, t1) of the region, any range (run by whichever thread takes it).
   auto run_tiles = [&](int64_t t0, int64_t t1) {
     if (t0 >= t1) return;
@@ -336,6 +337,8 @@ void run_jobs(const std::vector<Job>& given) {
         nvfp4_rows(b, q, j, n0, n1);
       else if (which[j] >= 0)
         bf16_rows(b, xb[which[j]], n0, n1);
+      else if (b.w_bf16 && widened != nullptr)
+        widened(b.x, b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1, b.y, b.ldy);
       else if (b.row_streams() && b.w_bf16)
         stream_rows(b.x, b.M, b.K, w16, n0, n1, b.y, b.ldy, b.x_bf16);
       else if (b.row_streams())

@@ -3,6 +3,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../common/simd.h"
@@ -59,57 +60,90 @@ inline void rows_m1(const float* xp, int64_t K, const uint8_t* codes, const uint
   for (int r = 0; r < R; ++r) y[n + r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
+// The M > 1 products (a batch's rows that chose the same expert, a prompt): NR weight rows
+// decoded once, kChunkBlocks blocks at a time, into the thread's scratch (L1), and every x row
+// multiplied by them in register tiles of NR weight rows by MR x rows (16 registers: 12
+// accumulators), FMA-bound instead of decode-bound. Each (m, n) keeps the M = 1 path's two
+// accumulators, parked in `acc` between chunks: the same sums in the same order, the same
+// bits whatever M.
+constexpr int kNR = 2;
+constexpr int kMR = 3;
+constexpr int64_t kChunkBlocks = 64;  // 1024 weights per row: NR rows of decoded fp32 = 8 KiB
+
+template <int NR, int MR>
+inline void tile_chunk(const float* xp, int64_t K, int64_t b0, int64_t nb, const float* w, float* acc) {
+  __m256 a0[NR][MR], a1[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      a0[r][m] = _mm256_loadu_ps(acc + (m * kNR + r) * 16);
+      a1[r][m] = _mm256_loadu_ps(acc + (m * kNR + r) * 16 + 8);
+    }
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < NR; ++r) {
+      const __m256 w0 = _mm256_load_ps(w + (r * kChunkBlocks + b) * kBlock);
+      const __m256 w1 = _mm256_load_ps(w + (r * kChunkBlocks + b) * kBlock + 8);
+      for (int m = 0; m < MR; ++m) {
+        a0[r][m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + m * K + (b0 + b) * kBlock), a0[r][m]);
+        a1[r][m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + m * K + (b0 + b) * kBlock + 8), a1[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      _mm256_storeu_ps(acc + (m * kNR + r) * 16, a0[r][m]);
+      _mm256_storeu_ps(acc + (m * kNR + r) * 16 + 8, a1[r][m]);
+    }
+}
+
+// Weight rows [n, n + NR) against the M rows of x; w and acc: the thread's scratch.
+template <int NR>
+inline void rows_tiled(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                       const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n, float* y,
+                       float* w, float* acc) {
+  const int64_t nb = K / kBlock;
+  std::fill_n(acc, M * kNR * 16, 0.f);
+  for (int64_t b0 = 0; b0 < nb; b0 += kChunkBlocks) {
+    const int64_t cb = std::min(kChunkBlocks, nb - b0);
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* c = codes + (n + r) * (K / 2);
+      const uint8_t* s = scales + (n + r) * nb;
+      const float* table = tables[(n + r) / rows_per_global];
+      for (int64_t b = 0; b < cb; ++b) {
+        __m256 w0, w1;
+        decode_block(c + (b0 + b) * 8, table + s[b0 + b] * 8, w0, w1);
+        _mm256_store_ps(w + (r * kChunkBlocks + b) * kBlock, w0);
+        _mm256_store_ps(w + (r * kChunkBlocks + b) * kBlock + 8, w1);
+      }
+    }
+    int64_t m = 0;
+    for (; m + kMR <= M; m += kMR) tile_chunk<NR, kMR>(xp + m * K, K, b0, cb, w, acc + m * kNR * 16);
+    if (M - m == 2) tile_chunk<NR, 2>(xp + m * K, K, b0, cb, w, acc + m * kNR * 16);
+    if (M - m == 1) tile_chunk<NR, 1>(xp + m * K, K, b0, cb, w, acc + m * kNR * 16);
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int64_t m = 0; m < M; ++m) {
+      const float* a = acc + (m * kNR + r) * 16;
+      y[m * ldy + n + r] = hsum(_mm256_add_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8)));
+    }
+}
+
 }  // namespace
 
 // Rows [n0, n1) of y (fp32 [M, *], row stride ldy) from permuted x. One row of x: decode and
-// multiply in registers. More rows: decode each weight row once into a scratch row (L1) and run the
-// same accumulation for every x row from it, four x rows at a time.
+// multiply in registers, four weight rows at a time. More rows: rows_tiled.
 void rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
           const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
-  const int64_t nb = K / kBlock;
-  std::vector<float> scratch(M > 1 ? K : 0);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* c = codes + n * (K / 2);
-    const uint8_t* s = scales + n * nb;
-    const float* table = tables[n / rows_per_global];
-    if (M == 1) {
-      if (n + kRows <= n1) {  // four rows at a time: eight independent FMA chains
-        rows_m1<kRows>(xp, K, codes, scales, tables, rows_per_global, n, y);
-        n += kRows - 1;
-      } else {
-        rows_m1<1>(xp, K, codes, scales, tables, rows_per_global, n, y);
-      }
-      continue;
-    }
-    float* w = scratch.data();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 w0, w1;
-      decode_block(c + b * 8, table + s[b] * 8, w0, w1);
-      _mm256_storeu_ps(w + b * kBlock, w0);
-      _mm256_storeu_ps(w + b * kBlock + 8, w1);
-    }
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      __m256 a0[4], a1[4];
-      for (int r = 0; r < 4; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; k += kBlock) {
-        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
-        for (int r = 0; r < 4; ++r) {
-          a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + (m + r) * K + k), a0[r]);
-          a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + (m + r) * K + k + 8), a1[r]);
-        }
-      }
-      for (int r = 0; r < 4; ++r) y[(m + r) * ldy + n] = hsum(_mm256_add_ps(a0[r], a1[r]));
-    }
-    for (; m < M; ++m) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; k += kBlock) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xp + m * K + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(xp + m * K + k + 8), a1);
-      }
-      y[m * ldy + n] = hsum(_mm256_add_ps(a0, a1));
-    }
+  int64_t n = n0;
+  if (M == 1) {  // four rows at a time: eight independent FMA chains
+    for (; n + kRows <= n1; n += kRows) rows_m1<kRows>(xp, K, codes, scales, tables, rows_per_global, n, y);
+    for (; n < n1; ++n) rows_m1<1>(xp, K, codes, scales, tables, rows_per_global, n, y);
+    return;
   }
+  alignas(32) static thread_local float w[kNR * kChunkBlocks * kBlock];
+  static thread_local std::vector<float> acc;
+  if (static_cast<int64_t>(acc.size()) < M * kNR * 16) acc.resize(M * kNR * 16);
+  for (; n + kNR <= n1; n += kNR) rows_tiled<kNR>(xp, M, K, codes, scales, tables, rows_per_global, ldy, n, y, w, acc.data());
+  for (; n < n1; ++n) rows_tiled<1>(xp, M, K, codes, scales, tables, rows_per_global, ldy, n, y, w, acc.data());
 }
 
 }  // namespace musespark_nvfp4

@@ -1,15 +1,15 @@
 // NVFP4 weight rows on AVX-512: musespark_avx512::nvfp4_rows (nvfp4/nvfp4.h; nvfp4/nvfp4_linear.cpp
 // states the numerics).
-// Compiled for AVX-512F/BW/VL/DQ + BF16 by the pragma below and reached only through the
-// dispatch table (common/dispatch.h) on paths whose CPU runs it. No ATen or standard-library
-// header after the pragma (common/isa.h: no inline function compiled for AVX-512 may leak into
-// the AVX2 world).
+// Compiled for AVX-512F/BW/VL/DQ (no BF16: the avx512 path runs it too) by the pragma below
+// and reached only through the dispatch table (common/dispatch.h) on paths whose CPU runs it.
+// No ATen or standard-library header after the pragma (common/isa.h: no inline function
+// compiled for AVX-512 may leak into the AVX2 world).
 #include <cstdint>
 #include <immintrin.h>
 
 #include "nvfp4.h"
 
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
 
 #include "../common/simd512.h"
 
@@ -90,15 +90,98 @@ inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint
   }
 }
 
+// Rows of x against weight rows decoded once: the M > 1 products (a batch's rows that chose
+// the same expert, a prompt). NR weight rows at a time are decoded kChunkPairs pairs of blocks
+// at a time into the thread's scratch (L1), and every x row is multiplied by them in register
+// tiles of NR weight rows by MR x rows, FMA-bound instead of decode-bound. Each (m, n) keeps
+// the M = 1 path's two accumulators, parked in `acc` between chunks, so its sums are those of
+// rows_m1 in the same order: the same bits whatever M.
+constexpr int kNR = 4;
+constexpr int kMR = 3;
+constexpr int64_t kChunkPairs = 32;  // 1024 weights per row: NR rows of decoded fp32 = 16 KiB
+
+template <int NR, int MR>
+inline void tile_chunk(const float* xp, int64_t K, int64_t p0, int64_t np, const float* w, float* acc) {
+  __m512 a0[NR][MR], a1[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      a0[r][m] = _mm512_loadu_ps(acc + (m * kNR + r) * 32);
+      a1[r][m] = _mm512_loadu_ps(acc + (m * kNR + r) * 32 + 16);
+    }
+  for (int64_t p = 0; p < np; ++p) {
+    __m512 xe[MR], xo[MR];
+    for (int m = 0; m < MR; ++m) {
+      xe[m] = _mm512_loadu_ps(xp + m * K + (p0 + p) * 32);
+      xo[m] = _mm512_loadu_ps(xp + m * K + (p0 + p) * 32 + 16);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 w0 = _mm512_load_ps(w + (r * kChunkPairs + p) * 32), w1 = _mm512_load_ps(w + (r * kChunkPairs + p) * 32 + 16);
+      for (int m = 0; m < MR; ++m) {
+        a0[r][m] = _mm512_fmadd_ps(w0, xe[m], a0[r][m]);
+        a1[r][m] = _mm512_fmadd_ps(w1, xo[m], a1[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) {
+      _mm512_storeu_ps(acc + (m * kNR + r) * 32, a0[r][m]);
+      _mm512_storeu_ps(acc + (m * kNR + r) * 32 + 16, a1[r][m]);
+    }
+}
+
+// Weight rows [n, n + NR) against the M rows of x.
+template <int NR>
+inline void rows_tiled(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                       const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n, float* y,
+                       float* w, float* acc) {
+  const int64_t nb = K / 16, pairs = nb / 2;
+  const size_t cs = static_cast<size_t>(K / 2), ss = static_cast<size_t>(nb);
+  const float* table[NR];
+  for (int r = 0; r < NR; ++r) table[r] = tables[(n + r) / rows_per_global];
+  for (int64_t i = 0; i < M * kNR * 32; ++i) acc[i] = 0.f;
+  auto run = [&](int64_t x_row, int rows, int64_t p0, int64_t np) {
+    float* a = acc + x_row * kNR * 32;
+    const float* x = xp + x_row * K;
+    switch (rows) {
+      case 3: tile_chunk<NR, 3>(x, K, p0, np, w, a); break;
+      case 2: tile_chunk<NR, 2>(x, K, p0, np, w, a); break;
+      default: tile_chunk<NR, 1>(x, K, p0, np, w, a); break;
+    }
+  };
+  for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
+    const int64_t np = pairs - p0 < kChunkPairs ? pairs - p0 : kChunkPairs;
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* c = codes + (n + r) * cs;
+      const uint8_t* s = scales + (n + r) * ss;
+      for (int64_t p = 0; p < np; ++p) {
+        __m512 w0, w1;
+        const int64_t q = p0 + p;
+        decode_pair(c + q * 16, table[r] + s[2 * q] * 16, table[r] + s[2 * q + 1] * 16, w0, w1);
+        _mm512_store_ps(w + (r * kChunkPairs + p) * 32, w0);
+        _mm512_store_ps(w + (r * kChunkPairs + p) * 32 + 16, w1);
+      }
+    }
+    int64_t m = 0;
+    for (; m + kMR <= M; m += kMR) run(m, kMR, p0, np);
+    if (m < M) run(m, static_cast<int>(M - m), p0, np);
+  }
+  for (int r = 0; r < NR; ++r) {
+    const uint8_t* c = codes + (n + r) * cs;
+    const uint8_t* s = scales + (n + r) * ss;
+    const __m512 wt = nb % 2 != 0 ? decode_one(c + pairs * 16, table[r] + s[2 * pairs] * 16) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 a0 = _mm512_loadu_ps(acc + (m * kNR + r) * 32);
+      const __m512 a1 = _mm512_loadu_ps(acc + (m * kNR + r) * 32 + 16);
+      if (nb % 2 != 0) a0 = _mm512_fmadd_ps(wt, _mm512_loadu_ps(xp + m * K + pairs * 32), a0);
+      y[m * ldy + n + r] = sum16(_mm512_add_ps(a0, a1));
+    }
+  }
+}
+
 }  // namespace
 
 void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                 const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
-  const int64_t nb = K / 16, pairs = nb / 2;
-  const bool tail = nb % 2 != 0;
-  // Decoded weight rows for M > 1 (K floats); fixed-size scratch keeps this file free of
-  // library containers: rows longer than it take the one-row path per x row.
-  alignas(64) static thread_local float scratch[16384];
   int64_t n = n0;
   if (M == 1) {  // four rows at a time: eight independent FMA chains (one row's two chains
     //              alone wait on the FMA latency); each row's sums are the same as below
@@ -106,47 +189,18 @@ void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, con
     for (; n < n1; ++n) rows_m1<1>(xp, K, codes, scales, tables, rows_per_global, n, y);
     return;
   }
-  for (; n < n1; ++n) {
-    const uint8_t* c = codes + n * (K / 2);
-    const uint8_t* s = scales + n * nb;
-    const float* table = tables[n / rows_per_global];
-    if (K > 16384) {
-      for (int64_t m = 0; m < M; ++m) rows_m1<1>(xp + m * K, K, codes, scales, tables, rows_per_global, n, y + m * ldy);
-      continue;
-    }
-    for (int64_t p = 0; p < pairs; ++p) {
-      __m512 w0, w1;
-      decode_pair(c + p * 16, table + s[2 * p] * 16, table + s[2 * p + 1] * 16, w0, w1);
-      _mm512_storeu_ps(scratch + p * 32, w0);
-      _mm512_storeu_ps(scratch + p * 32 + 16, w1);
-    }
-    if (tail) _mm512_storeu_ps(scratch + pairs * 32, decode_one(c + pairs * 16, table + s[2 * pairs] * 16));
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      __m512 a0[4], a1[4];
-      for (int r = 0; r < 4; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < pairs; ++p) {
-        const __m512 w0 = _mm512_loadu_ps(scratch + p * 32), w1 = _mm512_loadu_ps(scratch + p * 32 + 16);
-        for (int r = 0; r < 4; ++r) {
-          a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + (m + r) * K + p * 32), a0[r]);
-          a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + (m + r) * K + p * 32 + 16), a1[r]);
-        }
-      }
-      if (tail)
-        for (int r = 0; r < 4; ++r)
-          a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + (m + r) * K + pairs * 32),
-                                  a0[r]);
-      for (int r = 0; r < 4; ++r) y[(m + r) * ldy + n] = sum16(_mm512_add_ps(a0[r], a1[r]));
-    }
-    for (; m < M; ++m) {
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      for (int64_t p = 0; p < pairs; ++p) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + p * 32), _mm512_loadu_ps(xp + m * K + p * 32), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + p * 32 + 16), _mm512_loadu_ps(xp + m * K + p * 32 + 16), a1);
-      }
-      if (tail) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(scratch + pairs * 32), _mm512_loadu_ps(xp + m * K + pairs * 32), a0);
-      y[m * ldy + n] = sum16(_mm512_add_ps(a0, a1));
-    }
+  // The decoded chunk of kNR rows and the parked accumulators of up to kMaxRows x rows; fixed
+  // sizes keep this file free of library containers. More rows of x are taken kMaxRows at a time.
+  constexpr int64_t kMaxRows = 256;
+  alignas(64) static thread_local float w[kNR * kChunkPairs * 32];
+  alignas(64) static thread_local float acc[kMaxRows * kNR * 32];
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const int64_t mb = M - m0 < kMaxRows ? M - m0 : kMaxRows;
+    const float* x = xp + m0 * K;
+    float* ym = y + m0 * ldy;
+    int64_t r = n;
+    for (; r + kNR <= n1; r += kNR) rows_tiled<kNR>(x, mb, K, codes, scales, tables, rows_per_global, ldy, r, ym, w, acc);
+    for (; r < n1; ++r) rows_tiled<1>(x, mb, K, codes, scales, tables, rows_per_global, ldy, r, ym, w, acc);
   }
 }
 
