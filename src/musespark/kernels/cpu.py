@@ -85,8 +85,8 @@ def kernel_path() -> str:
     panel product on AMX tiles, on CPUs with AMX-BF16 whose tiles passed `amx_check`),
     "avx512_bf16" (vdpbf16ps products and the AVX-512 NVFP4 decode, on CPUs with
     AVX-512-BF16), "avx512" (bf16 weights widened to fp32 on 16 lanes and the AVX-512 NVFP4
-    decode, on CPUs with AVX-512F/BW/VL/DQ but no bf16 hardware), "avx2" (AVX2+FMA, every other kernel and every other CPU), or "none" when
-    they are unavailable."""
+    decode, on CPUs with AVX-512F/BW/VL/DQ but no bf16 hardware), "avx2" (AVX2+FMA, every
+    other CPU), or "none" when they are unavailable."""
     ops = native_ops()
     return "none" if ops is None else str(ops.isa_path())
 
