@@ -38,7 +38,7 @@ from ..config import ModelConfig
 from .plan import GB, RankPlan
 
 PANEL_ROWS = 64  # kernels/csrc/gemm/gemm_kernels.h kPanelRows (kernels.cpu.PANEL_ROWS)
-CPU_PATHS = ("avx2", "avx512_bf16", "amx_bf16")
+CPU_PATHS = ("avx2", "avx512", "avx512_bf16", "amx_bf16")
 PANEL_PATHS = ("avx512_bf16", "amx_bf16")  # kernels.cpu.PANEL_PATHS without the test-only emulation
 DEFAULT_BANDWIDTH_PER_SOCKET = 250.0  # GB/s: a 12-channel DDR5-4800 socket's STREAM-class figure, assumed
 DEFAULT_CORES_PER_SOCKET = 32
