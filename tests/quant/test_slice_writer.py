@@ -116,3 +116,34 @@ def test_cli_all_nvfp4_and_refusals(tmp_path, capsys):
         write_slice(dst, layers=1, vocab=256, **NARROW)
     with pytest.raises(ValueError, match=r"bf16_expert_layers must lie in \[0, 2\), got \[5\]"):
         write_slice(tmp_path / "x", layers=2, vocab=256, bf16_expert_layers=[5], **NARROW)
+
+
+@pytest.fixture(scope="module")
+def one_layer(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("slice") / "one"
+    write_slice(dst, layers=1, vocab=512, bf16_expert_layers=[], max_shard_bytes=1_500_000, **NARROW)
+    return dst
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fp8_kv_cache_against_bf16_on_the_slice(one_layer, backend):
+    """The 816B slice's layout (all experts NVFP4, bf16 attention), one layer as the real-width
+    benchmark runs it, with an fp8 KV cache against a bf16 one: a 24-token prompt in two
+    chunks, then 16 teacher-forced decode steps. Per step, the largest logit difference over
+    the largest |logit| (e4m3 keeps 3 mantissa bits against bf16's 7): measured a mean of 4.5%
+    and at most 9.5% on the cpu backend, the argmax the same in 94% of the steps; bounds: mean
+    <= 8%, max <= 20%, argmax >= 80%. (Random weights amplify any change layer by layer: three
+    layers of this slice move by 61% on average, so the bound is stated on one.)"""
+    from test_fp8_kv_cache import FP8, paged_logits
+
+    if backend == "cpu" and cpu.native_ops() is None:
+        pytest.skip(f"native kernels unavailable: {cpu.unavailable_reason()}")
+    model = musespark.load_model(one_layer, dtype="bfloat16", backend=backend)
+    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = paged_logits(model, ids, 24, torch.bfloat16, block=16)
+    got = paged_logits(model, ids, 24, FP8, block=16)
+    err = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert torch.isfinite(got).all() and not torch.equal(got, ref)  # the cache really was fp8
+    assert err.mean() <= 0.08 and err.max() <= 0.2, (float(err.mean()), float(err.max()))
+    assert agree >= 0.8, float(agree)
