@@ -17,9 +17,10 @@ void bf16_dots(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
                int64_t ldy);
 
 // y[m * ldy + n] = sum_k x[m, k] * w[n, k] for m in [0, M), n in [n0, n1) on the avx512 path
-// (AVX-512F, no bf16 hardware): x fp32 [M, K], w bf16 bits [N, K] widened to fp32 in registers,
-// fp32 FMAs, one 16-lane chain per (m, n) over K in order, then the fixed lane sum: batch
-// invariant. K % 8 == 0. (gemm/widened_avx512.cpp)
+// (AVX-512F, no bf16 hardware): x fp32 [M, K] permuted to the pairs order (nvfp4/nvfp4_tables.h
+// permute_x), w bf16 bits [N, K] widened to fp32 in registers, fp32 FMAs, one 16-lane chain per
+// (m, n) over K in order, then the fixed lane sum: batch invariant. K % 16 == 0.
+// (gemm/widened_avx512.cpp)
 void widened_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t n0, int64_t n1, float* y,
                   int64_t ldy);
 

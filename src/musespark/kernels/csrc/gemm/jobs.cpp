@@ -26,40 +26,45 @@
 namespace musespark_gemv {
 namespace {
 
-// What the NVFP4 jobs of one run_jobs call share: x permuted to the decode order (one copy
-// per distinct x) and each job's magnitude tables.
-struct Nvfp4Inputs {
+// What the NVFP4 and widened jobs of one run_jobs call share: x permuted to the order their
+// kernel reads (nvfp4/nvfp4_tables.h permute_x; one copy per distinct x) and each NVFP4 job's
+// magnitude tables.
+struct PermutedInputs {
   std::vector<std::vector<float>> x;
-  std::vector<std::vector<const float*>> tables;  // per job: one table per global scale
+  std::vector<std::vector<const float*>> tables;  // per NVFP4 job: one table per global scale
   std::vector<std::vector<float>> spill;            // tables the process-wide cache had no room for
   std::vector<int> which;                  // per job: its permuted x, or -1
 };
 
-Nvfp4Inputs nvfp4_inputs(const std::vector<Job>& jobs) {
-  Nvfp4Inputs in;
+PermutedInputs permuted_inputs(const std::vector<Job>& jobs) {
+  PermutedInputs in;
   in.tables.resize(jobs.size());
   in.which.assign(jobs.size(), -1);
-  const bool pairs = musespark_dispatch::kernels().nvfp4_pairs;
+  const bool nvfp4_pairs = musespark_dispatch::kernels().nvfp4_pairs;
   std::vector<const float*> seen;
+  std::vector<bool> seen_pairs;
   for (size_t j = 0; j < jobs.size(); ++j) {
     const Job& b = jobs[j];
-    if (!b.nvfp4() || b.M == 0) continue;
-    for (int64_t g = 0; g < b.G; ++g) {
+    if (!(b.nvfp4() || b.widened()) || b.M == 0) continue;
+    const bool pairs = b.widened() || nvfp4_pairs;  // the widened kernel reads the pairs order
+    for (int64_t g = 0; b.nvfp4() && g < b.G; ++g) {
       in.spill.emplace_back();
       in.tables[j].push_back(musespark_nvfp4::table_for(b.globals[g], b.x_bf16, pairs, in.spill.back()));
     }
     for (size_t i = 0; i < seen.size(); ++i)
-      if (seen[i] == b.x && in.x[i].size() == static_cast<size_t>(b.M * b.K)) in.which[j] = static_cast<int>(i);
+      if (seen[i] == b.x && seen_pairs[i] == pairs && in.x[i].size() == static_cast<size_t>(b.M * b.K))
+        in.which[j] = static_cast<int>(i);
     if (in.which[j] >= 0) continue;
     in.which[j] = static_cast<int>(in.x.size());
     seen.push_back(b.x);
+    seen_pairs.push_back(pairs);
     in.x.push_back(musespark_nvfp4::permute_x(b.x, b.M, b.K, pairs));
   }
   return in;
 }
 
 // Rows [n0, n1) of an NVFP4 job.
-inline void nvfp4_rows(const Job& b, const Nvfp4Inputs& in, size_t j, int64_t n0, int64_t n1) {
+inline void nvfp4_rows(const Job& b, const PermutedInputs& in, size_t j, int64_t n0, int64_t n1) {
   const float* xp = in.x[in.which[j]].data();
   const auto* codes = static_cast<const uint8_t*>(b.w);
   musespark_dispatch::kernels().nvfp4_rows(xp, b.M, b.K, codes, b.scales, in.tables[j].data(), b.N / b.G, b.ldy, n0,
@@ -316,7 +321,7 @@ void run_jobs(const std::vector<Job>& given) {
     first[j + 1] = first[j] + (jobs[j].M > 0 ? jobs[j].tiles() : 0);
     weight_rows += jobs[j].M > 0 ? jobs[j].N : 0;
   }
-  const Nvfp4Inputs q = nvfp4_inputs(jobs);
+  const PermutedInputs q = permuted_inputs(jobs);
   const std::vector<int64_t> bounds =
       split_tiles(jobs, first, weight_rows > kMinParallelRows ? at::get_num_threads() : 1);
   const musespark_dispatch::Widened widened = musespark_dispatch::kernels().widened;
@@ -337,8 +342,8 @@ void run_jobs(const std::vector<Job>& given) {
         nvfp4_rows(b, q, j, n0, n1);
       else if (which[j] >= 0)
         bf16_rows(b, xb[which[j]], n0, n1);
-      else if (b.w_bf16 && widened != nullptr)
-        widened(b.x, b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1, b.y, b.ldy);
+      else if (b.widened())
+        widened(q.x[q.which[j]].data(), b.M, b.K, static_cast<const uint16_t*>(b.w), n0, n1, b.y, b.ldy);
       else if (b.row_streams() && b.w_bf16)
         stream_rows(b.x, b.M, b.K, w16, n0, n1, b.y, b.ldy, b.x_bf16);
       else if (b.row_streams())

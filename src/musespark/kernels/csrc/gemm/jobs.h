@@ -59,6 +59,11 @@ struct Job {
   bool row_streams() const { return M >= 1 && M <= kStreamMaxRows && fp32_tiles(); }
   // More rows on the fp32 tiles: weight_tiles, x in blocks.
   bool row_blocks() const { return M > kStreamMaxRows && fp32_tiles(); }
+  // bf16 weights on the fp32 tiles of a path with the 16-lane kernel (the dispatch table's
+  // `widened`; K % 16 == 0): x goes to it permuted to the pairs order.
+  bool widened() const {
+    return fp32_tiles() && w_bf16 && K % 16 == 0 && musespark_dispatch::kernels().widened != nullptr;
+  }
 };
 
 // A tile of job j costs K (kTileFixedRows + M) per weight row, its weight reads counted as

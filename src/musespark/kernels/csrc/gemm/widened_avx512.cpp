@@ -2,14 +2,18 @@
 // the avx512 path's kernel for bf16 products on CPUs without bf16 hardware (common/dispatch.h).
 //
 // The AVX2 tiles (gemm/avx2_tiles.h) with 16 lanes: each weight element is read once, widened
-// to fp32 in a register (a bf16 value is the top half of an fp32) and multiplied into every
-// row of x by fp32 FMAs. Twice the lanes per instruction: on a two-core Xeon without bf16
-// hardware, the 8-row products of batched decode and the prompts' products are bound by the
-// FMAs, not by memory (benchmarks/RESULTS.md).
+// to fp32 in a register and multiplied into every row of x by fp32 FMAs. On a two-core Xeon
+// without bf16 hardware, the 8-row products of batched decode and the prompts' products are
+// bound by the FMAs, not by memory (benchmarks/RESULTS.md), so the widening is kept to one
+// instruction per 16 weights: 32 bf16 weights are 16 words of (w[2j], w[2j + 1]) pairs, the
+// even weights the words shifted left by 16 and the odd ones the words with the low half
+// cleared. x comes permuted to match (nvfp4/nvfp4_tables.h permute_x, the pairs order: per 32
+// elements the 16 even then the 16 odd; a last 16: its 8 even then 8 odd).
 //
 // Invariant (batch invariance): every y[m, n] is one dot product computed the same way, one
-// 16-lane FMA chain over K in order (a last 8 elements, when K % 16 == 8, in the low lanes),
-// then the fixed lane sum `sum16`, whatever M, the tile it falls in or how the rows are split.
+// 16-lane FMA chain over K in order (per 32 elements: the even products, then the odd ones; a
+// last 16 as one vector), then the fixed lane sum `sum16`, whatever M, the tile it falls in or
+// how the rows are split.
 //
 // Compiled for AVX-512F/BW/VL/DQ (no BF16) by the pragma below and reached only through the
 // dispatch table on CPUs that run it. No ATen or standard-library header after the pragma
@@ -29,13 +33,21 @@ using musespark_simd512::sum16;
 
 namespace {
 
-// 16 bf16 weights (bits) as fp32; `mask` keeps the low 8 (a K % 16 == 8 tail) or all.
-inline __m512 widen16(const uint16_t* w, __mmask16 mask) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, w);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+// The even and odd weights of 32 bf16 weights (bits) as fp32.
+inline void widen32(const uint16_t* w, __m512& even, __m512& odd) {
+  const __m512i words = _mm512_loadu_si512(w);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-// NR weight rows (row r at w + r * ldw) times MR rows of x (row stride K): NR * MR
+// A last 16 bf16 weights as fp32 in x's tail order: [8 even | 8 odd].
+inline __m512 widen_tail(const uint16_t* w) {
+  const __m512i words = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+      0xff00, _mm512_slli_epi32(words, 16), _mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
+}
+
+// NR weight rows (row r at w + r * ldw) times MR rows of permuted x (row stride K): NR * MR
 // accumulators; y[m * ldy + r * ldn]. `ahead`: bytes past the current line of each weight row
 // to prefetch (0: none; far-apart rows are long streams the hardware prefetchers follow).
 template <int NR, int MR>
@@ -44,24 +56,26 @@ inline void tile(const float* x, int64_t K, const uint16_t* w, int64_t ldw, floa
   __m512 acc[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) acc[n][m] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, __mmask16 mask) {
-    __m512 xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = _mm512_maskz_loadu_ps(mask, x + m * K + k);
-    for (int n = 0; n < NR; ++n) {
-      const __m512 wv = widen16(w + n * ldw + k, mask);
-      for (int m = 0; m < MR; ++m) acc[n][m] = _mm512_fmadd_ps(wv, xv[m], acc[n][m]);
-    }
-  };
-  constexpr int64_t kLine = 32;  // bf16 elements in a 64-byte line
   int64_t k = 0;
-  for (; k + kLine <= K; k += kLine) {
+  for (; k + 32 <= K; k += 32) {  // one 64-byte line of each weight row
     if (ahead != 0)
       for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + ahead, _MM_HINT_T0);
-    step(k, 0xffff);
-    step(k + 16, 0xffff);
+    __m512 xe[MR], xo[MR];
+    for (int m = 0; m < MR; ++m) {
+      xe[m] = _mm512_loadu_ps(x + m * K + k);
+      xo[m] = _mm512_loadu_ps(x + m * K + k + 16);
+    }
+    for (int n = 0; n < NR; ++n) {
+      __m512 we, wo;
+      widen32(w + n * ldw + k, we, wo);
+      for (int m = 0; m < MR; ++m) acc[n][m] = _mm512_fmadd_ps(wo, xo[m], _mm512_fmadd_ps(we, xe[m], acc[n][m]));
+    }
   }
-  for (; k + 16 <= K; k += 16) step(k, 0xffff);
-  if (k < K) step(k, 0x00ff);  // K % 16 == 8
+  if (k < K)  // K % 32 == 16
+    for (int n = 0; n < NR; ++n) {
+      const __m512 wt = widen_tail(w + n * ldw + k);
+      for (int m = 0; m < MR; ++m) acc[n][m] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(x + m * K + k), acc[n][m]);
+    }
   for (int n = 0; n < NR; ++n)
     for (int m = 0; m < MR; ++m) y[m * ldy + n * ldn] = sum16(acc[n][m]);
 }
