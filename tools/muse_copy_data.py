@@ -32,7 +32,8 @@ index): `random.Random(str)` hashes str seeds with SHA-512, the same on every ru
 
 Rendering goes through the bundled checkpoint's tokenizer and chat template, the path
 `InputProcessor.render_chat` (the server, `LLM.chat`) takes: `training_text(conv)` is the prompt
-the server renders followed by the target the model must write.
+the server renders followed by the target the model must write. Conversations are
+`muse_chat_data.Conversation`s, so tools/finetune_muse.py's `encode_chat` takes them as they are.
 """
 
 from __future__ import annotations

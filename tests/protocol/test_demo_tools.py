@@ -239,4 +239,4 @@ def test_generate_runs_the_tool_loop_end_to_end(tmp_path):
     expression = json.loads(out[call:].splitlines()[0].split("] ", 1)[1])["expression"]
     assert result_line == f"[tool result calculator #0] {run_tool('calculator', {'expression': expression}, tmp_path)}"
     assert call < out.index(result_line) < out.index("[answer]", out.index(result_line))
-    assert proc.stderr.count("finish_reason=") == 2  # two model turns: the call, then the answer
+    assert proc.stderr.count("finish_reason=") >= 2  # a turn that called, then one after the result
