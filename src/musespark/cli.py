@@ -1,7 +1,8 @@
 """The `musespark` command line.
 
     musespark generate [--model DIR] [--max-tokens N] [--temperature T] [--top-p P]
-                       [--seed S] [--chat [--tools JSON] [--chat-template FILE] [--chat-template-kwargs JSON]]
+                       [--seed S] [--chat [--tools JSON] [--run-tools DIR] [--chat-template FILE]
+                       [--chat-template-kwargs JSON]]
                        PROMPT...
 
     musespark serve [MODEL] [--host H] [--port P] [--api-key KEY...] [--served-model-name NAME...]
