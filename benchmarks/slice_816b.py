@@ -471,18 +471,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"pair {i + 1}: load {loads[-1]['load_s']:.2f} s, peak RSS {loads[-1]['vm_hwm_bytes'] / 1e9:.2f} GB; "
                 f"cold read {reads[-1]:.2f} s"
             )
-        load_s = statistics.median(x["load_s"] for x in loads)
-        read_s = statistics.median(reads)
-        hwm = max(x["vm_hwm_bytes"] for x in loads)
-        load = {
-            "checkpoint_bytes": disk,
-            "load_s": [round(x["load_s"], 3) for x in loads],
-            "cold_read_s": [round(x, 3) for x in reads],
-            "load_over_read": round(load_s / read_s, 2),
-            "peak_rss_bytes": hwm,
-            "peak_rss_over_checkpoint": round(hwm / disk, 3),
-            "read_gb_s": round(disk / read_s / 1e9, 3),
-        }
+        load = None  # --load-pairs 0: decode and prefill only
+        if loads:
+            load_s = statistics.median(x["load_s"] for x in loads)
+            read_s = statistics.median(reads)
+            hwm = max(x["vm_hwm_bytes"] for x in loads)
+            load = {
+                "checkpoint_bytes": disk,
+                "load_s": [round(x["load_s"], 3) for x in loads],
+                "cold_read_s": [round(x, 3) for x in reads],
+                "load_over_read": round(load_s / read_s, 2),
+                "peak_rss_bytes": hwm,
+                "peak_rss_over_checkpoint": round(hwm / disk, 3),
+                "read_gb_s": round(disk / read_s / 1e9, 3),
+            }
         bench_argv = ["bench", str(path)]
         flags = [
             f"--batches={','.join(map(str, args.batches))}",
