@@ -1,6 +1,7 @@
 """NVFP4 ("modelopt_fp4") weight formats: a linear layer and the fused 3-D experts stored as
 packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (docs/nvfp4.md §2, §3),
-kept packed in memory and decoded on every product (a plain-torch reference).
+kept packed in memory and decoded on every product (a plain-torch reference; the decoding, in
+row blocks straight to the activation dtype, is `nvfp4_decode.py`'s).
 
 Two numerics modes, one per model:
 - "weight-only": each weight is decoded to fp32, rounded to the activation dtype and
@@ -25,7 +26,8 @@ from ..checkpoint.names import TensorSpec, to_relative
 from ..checkpoint.safetensors_file import SafetensorsFile
 from .format import ExpertsFormat, LinearFormat
 from .gemm import Gemm, linear
-from .nvfp4_math import BLOCK, dequantize, quantize_activation, unscaled_weight
+from .nvfp4_decode import dequantize_to
+from .nvfp4_math import BLOCK, quantize_activation, unscaled_weight
 
 MODES = ("weight-only", "w4a4")
 CODES, SCALE = torch.uint8, torch.float8_e4m3fn
@@ -71,11 +73,16 @@ class Nvfp4Linear(LinearFormat):
 
     def dequantized(self, module: nn.Module) -> torch.Tensor:
         """The decoded weight [N, K] in fp32."""
-        return dequantize(module.weight, module.weight_scale, module.weight_scale_2)
+        return self.decoded(module, torch.float32)
+
+    @staticmethod
+    def decoded(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The decoded weight [N, K] rounded to `dtype` (the fp32 decode, rounded once)."""
+        return dequantize_to(module.weight, module.weight_scale, module.weight_scale_2, dtype)
 
     def apply(self, module: nn.Module, x: torch.Tensor, gemm: Gemm | None = None) -> torch.Tensor:
         if self.mode == "weight-only":
-            return (gemm or linear)(x, self.dequantized(module).to(x.dtype))
+            return (gemm or linear)(x, self.decoded(module, x.dtype))
         xq, _ = quantize_activation(x, module.input_scale)
         alpha = module.input_scale.float() * module.weight_scale_2.float()
         w = unscaled_weight(module.weight, module.weight_scale)
@@ -125,11 +132,23 @@ class Nvfp4Experts(ExpertsFormat):
 
     def dequantized(self, module: nn.Module, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s decoded (gate_up [2I, Hm], down [Hm, I]) in fp32."""
-        gate_up = dequantize(
-            module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert], self.gate_up_global(module, expert)
+        return self.decoded(module, expert, torch.float32)
+
+    def decoded(self, module: nn.Module, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s (gate_up [2I, Hm], down [Hm, I]), each the fp32 decode rounded once to
+        `dtype`, decoded in row blocks: only this expert's weights are ever decoded, and the
+        caller (`Experts`) asks once per step for each expert its tokens chose."""
+        gate_up = dequantize_to(
+            module.gate_up_proj[expert],
+            module.gate_up_proj_weight_scale[expert],
+            self.gate_up_global(module, expert),
+            dtype,
         )
-        down = dequantize(
-            module.down_proj[expert], module.down_proj_weight_scale[expert], module.down_proj_weight_scale_2[expert]
+        down = dequantize_to(
+            module.down_proj[expert],
+            module.down_proj_weight_scale[expert],
+            module.down_proj_weight_scale_2[expert],
+            dtype,
         )
         return gate_up, down
 
@@ -138,7 +157,7 @@ class Nvfp4Experts(ExpertsFormat):
     ) -> torch.Tensor:
         if self.mode == "weight-only":
             mm = gemm or linear
-            gate_up, down = (w.to(x.dtype) for w in self.dequantized(module, expert))
+            gate_up, down = self.decoded(module, expert, x.dtype)
             gate, up = mm(x, gate_up).chunk(2, dim=-1)
             h = F.silu(gate) * up
             return F.linear(h.float(), down.float()) if partial else mm(h, down)
