@@ -1,59 +1,57 @@
 """NVFP4 weights decoded in row blocks straight to the compute dtype, with the bits of
 `nvfp4_math.dequantize(...).to(dtype)` (the reference's rounding) but without its fp32 copy of
-the whole weight or its per-element table lookups: the torch backend's product for NVFP4
-linears and experts (docs/nvfp4.md §6).
+the whole weight: the torch backend's product for NVFP4 linears and experts (docs/nvfp4.md §6).
 
-How one block is decoded, with plain tensor ops:
-1. each E2M1 code is moved into the bits of an fp16 number: sign to bit 15, exponent to bits
-   10-11, mantissa to bit 9. fp16 has the same layout with a wider exponent (bias 15 instead of
-   1), so that fp16 number is exactly E2M1 value * 2^-14 for all 16 codes (code 1, 0.5, lands
-   on an fp16 subnormal, which the fp16 -> fp32 conversion widens exactly);
-2. those are widened to fp32 and multiplied by t * 2^14, where t = f32(block scale) * f32(global)
-   as the reference computes it. t * 2^14 is exact and the real product is E2M1 * t, so the fp32
-   result, rounded once to the output dtype, is the reference's to the bit. A block where
-   t * 2^14 would overflow (|t| > 2^113: no real checkpoint) uses the reference formula instead.
+How one block is decoded, with three tensor ops:
+1. each packed byte (two codes) indexes a 256-entry table of 8-byte entries, each the fp32
+   pair (E2M1[low nibble], E2M1[high nibble]): the block's E2M1 values in element order;
+2. those are multiplied by t = f32(block scale) * f32(global), computed as the reference
+   computes it, and each fp32 product is rounded once to the output dtype as it is stored.
+Every weight is the reference's fp32 product E2M1 * t rounded once, so the bits are the same.
 
-Memory: the temporaries hold one block (`BLOCK_ELEMENTS` weights, a few MB); the output is the
-weight in the compute dtype.
+Memory: the temporaries hold one block (`BLOCK_ELEMENTS` weights, 6 bytes each); the output is
+the weight in the compute dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .nvfp4_math import BLOCK, dequantize
+from .nvfp4_math import BLOCK, E2M1_VALUES, dequantize
 
-# Weights decoded per block: the int32 and fp32 temporaries of one block (~8 bytes a weight)
-# stay within a core's L2 cache, and each op still spans enough elements to use every thread.
+# Weights decoded per block: the temporaries of one block (6 bytes a weight, 768 KiB) stay
+# within a core's L2 cache, and each op still spans enough elements to use every thread.
 BLOCK_ELEMENTS = 1 << 17
-_F16_UNIT = 2.0**14  # an E2M1 code written into fp16 bits is its value / 2^14
-_SIGNS = 0x00080008  # the sign bit of both codes of a byte, once spread into an int32 (below)
-_MAGNITUDES = 0x00070007  # their exponent and mantissa bits
+
+
+def _pair_table() -> torch.Tensor:
+    """int64 [256]: entry b holds the fp32 pair (E2M1[b & 15], E2M1[b >> 4]), low nibble first."""
+    b = torch.arange(256)
+    pairs = torch.stack([E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]], dim=-1).contiguous()
+    return pairs.view(torch.int64).view(256)
+
+
+_PAIRS = _pair_table()
 
 
 class _Workspace:
     """Per-call temporaries for blocks of up to `rows` rows of `half` packed bytes."""
 
     def __init__(self, rows: int, half: int) -> None:
-        self.spread = torch.empty(rows, half, dtype=torch.int32)
-        self.signs = torch.empty(rows, half, dtype=torch.int32)
-        self.values = torch.empty(rows, 2 * half, dtype=torch.float32)
+        self.index = torch.empty(rows * half, dtype=torch.int32)
+        self.pairs = torch.empty(rows * half, dtype=torch.int64)
 
 
 def _decode_block(packed: torch.Tensor, t: torch.Tensor, out: torch.Tensor, work: _Workspace | None = None) -> None:
-    """packed uint8 [n, K/2], t = block scale * global * 2^14 fp32 [n, K/16] -> out [n, K] (any
-    float dtype, contiguous rows), each weight f32(E2M1 * 2^-14 * t) rounded once to out's dtype."""
+    """packed uint8 [n, K/2], t fp32 [n, K/16] -> out [n, K] (any float dtype, contiguous rows):
+    each weight the fp32 product E2M1[code] * t of its block, rounded once to out's dtype."""
     n, half = packed.shape
     work = work or _Workspace(n, half)
-    q, signs, values = work.spread[:n], work.signs[:n], work.values[:n]
-    # One int32 per byte; its low 16 bits become element 2j (low nibble), its high 16 bits 2j+1.
-    q.copy_(packed)
-    torch.bitwise_left_shift(q, 12, out=signs)
-    q.bitwise_or_(signs)  # low nibble at bits 0-3, high nibble at bits 16-19 (other bits: ignored)
-    torch.bitwise_and(q, _SIGNS, out=signs).bitwise_left_shift_(12)  # E2M1 bit 3 -> fp16 bit 15
-    q.bitwise_and_(_MAGNITUDES).bitwise_left_shift_(9).bitwise_or_(signs)  # bits 0-2 -> 9-11
-    values.copy_(q.view(torch.float16))  # [n, K]: exact
-    torch.mul(values.view(n, -1, BLOCK), t.unsqueeze(-1), out=out.view(n, -1, BLOCK))
+    index, pairs = work.index[: n * half], work.pairs[: n * half]
+    index.copy_(packed.reshape(-1))
+    torch.index_select(_PAIRS, 0, index, out=pairs)
+    values = pairs.view(torch.float32).view(n, -1, BLOCK)  # [n, K/16, 16]: element order
+    torch.mul(values, t.unsqueeze(-1), out=out.view(n, -1, BLOCK))
 
 
 def dequantize_to(
@@ -74,7 +72,7 @@ def dequantize_to(
     K = 2 * half
     if out is None:
         out = torch.empty(N, K, dtype=dtype, device=packed.device)
-    if packed.device.type != "cpu":  # the bit tricks below are tuned for CPUs; elsewhere the formula itself
+    if packed.device.type != "cpu":  # the table lives on the CPU; elsewhere the formula itself
         return out.copy_(dequantize(packed, block_scale, global_scale))
     g = torch.broadcast_to(global_scale.float(), (N, K // BLOCK))  # a view: per row or shared
     limit = BLOCK_ELEMENTS if block_elements is None else block_elements
@@ -82,10 +80,5 @@ def dequantize_to(
     work = _Workspace(rows, half)
     for r in range(0, N, rows):
         s = slice(r, min(r + rows, N))
-        t = block_scale[s].float() * g[s]  # the reference's t, exactly
-        scaled = t * _F16_UNIT
-        if bool(torch.isinf(scaled).any()):  # |t| > 2^113 (or inf): the formula itself, same bits
-            out[s].copy_(dequantize(packed[s], block_scale[s], g[s]))
-            continue
-        _decode_block(packed[s], scaled, out[s], work)
+        _decode_block(packed[s], block_scale[s].float() * g[s], out[s], work)  # t: the reference's, exactly
     return out
