@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--previous", action="store_true", help="also time the formula before blocked decoding")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads, which the native kernels use too (0: default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (the native kernels' too; 0: default)")
     ap.add_argument("--dir", help="write the slice here instead of a temporary directory (kept)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None if args.dir else tempfile.mkdtemp(prefix="nvfp4_fallback_")
     path = Path(args.dir or tmp) / "slice"
     try:
-        written = write_slice(path, layers=args.layers, vocab=args.vocab, bf16_expert_layers=[], seed=args.seed, **widths)
+        written = write_slice(
+            path, layers=args.layers, vocab=args.vocab, bf16_expert_layers=[], seed=args.seed, **widths
+        )
         log(f"slice: {written['bytes'] / 1e9:.3f} GB, {args.layers} NVFP4 layer(s), widths {widths}")
         models = {"cpu": musespark.load_model(str(path), backend="cpu")}
         if models["cpu"].backend.name != "cpu":
