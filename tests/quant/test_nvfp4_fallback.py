@@ -175,3 +175,30 @@ def test_each_routed_expert_is_decoded_once_per_step_in_bounded_blocks(monkeypat
     expected = {module.gate_up_proj[e].data_ptr() for e in routed} | {module.down_proj[e].data_ptr() for e in routed}
     assert set(calls) == expected
     assert sum(decoded_rows.values()) == len(routed) * (2 * 32 + 64)  # every row of a routed expert once
+
+
+def test_w4a4_products_keep_their_bits():
+    """The W4A4 mode multiplies E2M1 * block scale in fp32: decoded in blocks too, same bits."""
+    from musespark.quant.nvfp4_math import quantize_activation
+
+    gen = torch.Generator().manual_seed(4)
+    module = random_experts(gen)
+    module.format = Nvfp4Experts("layers.0.mlp.experts", "w4a4")
+    module.gate_up_proj_input_scale = torch.nn.Parameter(torch.rand(6, 2, generator=gen) * 0.01 + 1e-3)
+    module.down_proj_input_scale = torch.nn.Parameter(torch.rand(6, generator=gen) * 0.01 + 1e-3)
+    one = torch.tensor(1.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, module.hidden, generator=gen).to(dtype)
+        a1, a2 = module.gate_up_proj_input_scale.float().max(), module.down_proj_input_scale.float().max()
+        ws2 = module.gate_up_proj_weight_scale_2[2].float()
+        gu = F.linear(
+            quantize_activation(x, a1)[0],
+            old_dequantize(module.gate_up_proj[2], module.gate_up_proj_weight_scale[2], one),
+        )
+        gate, up = gu.chunk(2, dim=-1)
+        h = (F.silu(gate * (a1 * ws2[0])) * (up * (a1 * ws2[1]))).to(dtype)
+        y = F.linear(
+            quantize_activation(h, a2)[0], old_dequantize(module.down_proj[2], module.down_proj_weight_scale[2], one)
+        )
+        expected = (y * (a2 * module.down_proj_weight_scale_2[2].float())).to(dtype)
+        assert same_bits(module.format.apply(module, 2, x), expected)

@@ -27,10 +27,19 @@ from ..checkpoint.safetensors_file import SafetensorsFile
 from .format import ExpertsFormat, LinearFormat
 from .gemm import Gemm, linear
 from .nvfp4_decode import dequantize_to
-from .nvfp4_math import BLOCK, quantize_activation, unscaled_weight
+from .nvfp4_math import BLOCK, quantize_activation
 
 MODES = ("weight-only", "w4a4")
 CODES, SCALE = torch.uint8, torch.float8_e4m3fn
+
+
+_ONE = torch.ones((), dtype=torch.float32)
+
+
+def unscaled_weight(packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """E2M1[code] * f32(block scale) in fp32 [N, K] (the W4A4 product's weight factor), decoded in
+    row blocks: the bits of `nvfp4_math.unscaled_weight`."""
+    return dequantize_to(packed, block_scale, _ONE, torch.float32)
 
 
 def check_mode(mode: str) -> str:

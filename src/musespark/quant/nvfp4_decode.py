@@ -1,6 +1,6 @@
 """NVFP4 weights decoded in row blocks straight to the compute dtype, with the bits of
 `nvfp4_math.dequantize(...).to(dtype)` (the reference's rounding) but without its fp32 copy of
-the whole weight: the torch backend's product for NVFP4 linears and experts (docs/nvfp4.md §6).
+the whole weight: the torch backend's product for NVFP4 linears and experts (docs/nvfp4.md §4).
 
 How one block is decoded, with three tensor ops:
 1. each packed byte (two codes) indexes a 256-entry table of 8-byte entries, each the fp32
