@@ -15,6 +15,8 @@ the weight in the compute dtype.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .nvfp4_math import BLOCK, E2M1_VALUES, dequantize
@@ -35,11 +37,22 @@ _PAIRS = _pair_table()
 
 
 class _Workspace:
-    """Per-call temporaries for blocks of up to `rows` rows of `half` packed bytes."""
+    """Temporaries for blocks of up to `rows` rows of `half` packed bytes."""
 
     def __init__(self, rows: int, half: int) -> None:
         self.index = torch.empty(rows * half, dtype=torch.int32)
         self.pairs = torch.empty(rows * half, dtype=torch.int64)
+
+
+_local = threading.local()  # each thread's workspace, reused: fresh large buffers cost page faults
+
+
+def _workspace(rows: int, half: int) -> _Workspace:
+    """This thread's workspace, grown to hold `rows` x `half` bytes (at most one block's worth)."""
+    work = getattr(_local, "work", None)
+    if work is None or work.index.numel() < rows * half:
+        work = _local.work = _Workspace(rows, half)
+    return work
 
 
 def _decode_block(packed: torch.Tensor, t: torch.Tensor, out: torch.Tensor, work: _Workspace | None = None) -> None:
@@ -77,7 +90,7 @@ def dequantize_to(
     g = torch.broadcast_to(global_scale.float(), (N, K // BLOCK))  # a view: per row or shared
     limit = BLOCK_ELEMENTS if block_elements is None else block_elements
     rows = max(1, min(N, limit // max(K, 1)))
-    work = _Workspace(rows, half)
+    work = _workspace(rows, half)
     for r in range(0, N, rows):
         s = slice(r, min(r + rows, N))
         _decode_block(packed[s], block_scale[s].float() * g[s], out[s], work)  # t: the reference's, exactly
