@@ -38,6 +38,7 @@ def test_fallback_benchmark_reports_both_backends_per_decode_step(tmp_path):
         for name in ("cpu", "torch", "torch_previous"):
             assert len(r["steps_ms"][name]) == 2 and r[f"{name}_ms_per_step"] > 0
         assert r["torch_over_cpu"] == pytest.approx(r["torch_ms_per_step"] / r["cpu_ms_per_step"], rel=1e-2)
+        assert r["torch_over_cpu_process_time"] > 0 and r["cpu_process_ms_per_step"] > 0
         assert 0 < r["torch_experts_ms_per_step"] <= r["torch_ms_per_step"]
         assert r["max_logit_diff_over_max_logit"] < 0.05, batch  # the same model on both backends
     assert (tmp_path / "slice" / "config.json").exists()  # --dir keeps what it wrote
