@@ -2,16 +2,16 @@
 `nvfp4_math.dequantize(...).to(dtype)` (the reference's rounding) but without its fp32 copy of
 the whole weight: the torch backend's product for NVFP4 linears and experts (docs/nvfp4.md §4).
 
-How one block is decoded, with three tensor ops:
+How one block of rows is decoded, with a handful of tensor ops into reused buffers:
 1. each packed byte (two codes) indexes a 256-entry table of 8-byte entries, each the fp32
    pair (E2M1[low nibble], E2M1[high nibble]): the block's E2M1 values in element order;
 2. those are multiplied by t = f32(block scale) * f32(global), computed as the reference
    computes it (the e4m3 -> fp32 conversion looked up in a 256-entry table of its own results),
-   and each fp32 product is rounded once to the output dtype as it is stored.
+   and each fp32 product is rounded once to the output dtype.
 Every weight is the reference's fp32 product E2M1 * t rounded once, so the bits are the same.
 
-Memory: the temporaries hold one block (`BLOCK_ELEMENTS` weights, 6 bytes each); the output is
-the weight in the compute dtype.
+Memory: the temporaries hold one block (`BLOCK_ELEMENTS` weights, about 6 bytes each) and are
+kept per thread; the output is the weight in the compute dtype.
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ _PAIRS = _pair_table()
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def _scales(block_scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 [n, K/16] -> its fp32 values, `block_scale.float()` bit for bit."""
-    index = block_scale.view(torch.uint8).reshape(-1).to(torch.int32)
-    return torch.index_select(_E4M3, 0, index).view(block_scale.shape)
+def _block_t(block_scale: torch.Tensor, g: torch.Tensor, work: _Workspace) -> torch.Tensor:
+    """e4m3 [n, K/16] and fp32 g [n, K/16] -> t = f32(block scale) * g, the reference's t bit for
+    bit, in `work`."""
+    n = block_scale.numel()
+    index, t = work.scale_index[:n], work.t[:n]
+    index.copy_(block_scale.reshape(-1).view(torch.uint8))
+    torch.index_select(_E4M3, 0, index, out=t)
+    return t.view(block_scale.shape).mul_(g)
 
 
 class _Workspace:
@@ -52,6 +56,8 @@ class _Workspace:
     def __init__(self, rows: int, half: int) -> None:
         self.index = torch.empty(rows * half, dtype=torch.int32)
         self.pairs = torch.empty(rows * half, dtype=torch.int64)
+        self.scale_index = torch.empty(rows * half // (BLOCK // 2), dtype=torch.int32)
+        self.t = torch.empty(rows * half // (BLOCK // 2), dtype=torch.float32)
 
 
 _local = threading.local()  # each thread's workspace, reused: fresh large buffers cost page faults
@@ -74,7 +80,10 @@ def _decode_block(packed: torch.Tensor, t: torch.Tensor, out: torch.Tensor, work
     index.copy_(packed.reshape(-1))
     torch.index_select(_PAIRS, 0, index, out=pairs)
     values = pairs.view(torch.float32).view(n, -1, BLOCK)  # [n, K/16, 16]: element order
-    torch.mul(values, t.unsqueeze(-1), out=out.view(n, -1, BLOCK))
+    if out.dtype == torch.float32:
+        torch.mul(values, t.unsqueeze(-1), out=out.view(n, -1, BLOCK))
+    else:  # the fp32 products in place, then one rounding copy (torch.mul into `out` would allocate)
+        out.view(n, -1, BLOCK).copy_(values.mul_(t.unsqueeze(-1)))
 
 
 def dequantize_to(
@@ -103,5 +112,5 @@ def dequantize_to(
     work = _workspace(rows, half)
     for r in range(0, N, rows):
         s = slice(r, min(r + rows, N))
-        _decode_block(packed[s], _scales(block_scale[s]) * g[s], out[s], work)  # t: the reference's, exactly
+        _decode_block(packed[s], _block_t(block_scale[s], g[s], work), out[s], work)
     return out
