@@ -16,6 +16,7 @@ kept per thread; the output is the weight in the compute dtype.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -38,6 +39,19 @@ _PAIRS = _pair_table()
 # float32 [256]: each e4m3 byte's value, by torch's exact conversion (looked up: converting
 # float8 tensors element by element is several times slower).
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """This thread's reusable buffer `name`, viewed as `shape` and `dtype`: for a decoded weight
+    that one product uses and drops (a fresh tensor of megabytes costs a page fault per 4 KiB
+    page on every call). The next request for `name` in this thread overwrites it; it grows to
+    the largest size asked for, so a thread keeps one expert's (or linear's) decoded weights."""
+    buffers = _local.__dict__.setdefault("scratch", {})
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < nbytes:
+        buf = buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
+    return buf[:nbytes].view(dtype).view(shape)
 
 
 def _block_t(block_scale: torch.Tensor, g: torch.Tensor, work: _Workspace) -> torch.Tensor:
