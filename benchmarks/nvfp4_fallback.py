@@ -20,7 +20,8 @@ torch / cpu of each (the target: within 4x), the milliseconds of the torch
 step spent in the experts (a hook on each `Experts` module), the largest |logit difference|
 over the largest |logit|, and whether the greedy tokens agree. `--previous` adds a third
 variant, the torch backend with the formula it used before (each chosen expert decoded whole to
-fp32, then rounded to the activation dtype), alternated with the other two.
+fp32, then rounded to the activation dtype), alternated with the other two, and whether its
+logits equal the torch backend's bit for bit at every step.
 
 Prints a summary to stderr, then ONE JSON line last on stdout.
 """
@@ -123,7 +124,7 @@ def bench_batch(models: dict, batch: int, args: argparse.Namespace, clocks: dict
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu_times: dict[str, list[float]] = {n: [] for n in names}  # this process's CPU seconds
     experts_ms: dict[str, list[float]] = {n: [] for n in names if n != "cpu"}
-    worst, agree = 0.0, True
+    worst, agree, identical = 0.0, True, True
     with torch.inference_mode():
         logits = {n: step(n, prompts) for n in names}
         for i in range(args.steps + 1):  # step 0: warm-up, untimed
@@ -140,6 +141,8 @@ def bench_batch(models: dict, batch: int, args: argparse.Namespace, clocks: dict
                     cpu_times[n].append(dc)
                     if n in experts_ms:
                         experts_ms[n].append(clocks[n].seconds)
+            if "torch_previous" in logits:  # the new decoding must not change a bit
+                identical = identical and torch.equal(logits["torch"], logits["torch_previous"])
             ref = logits["cpu"].float()
             for n in names[1:]:
                 other = logits[n].float()
@@ -156,6 +159,8 @@ def bench_batch(models: dict, batch: int, args: argparse.Namespace, clocks: dict
     out["within_target"] = out["torch_over_cpu"] <= TARGET_RATIO
     out["max_logit_diff_over_max_logit"] = round(worst, 6)
     out["greedy_agree"] = agree
+    if "torch_previous" in names:
+        out["torch_logits_identical_to_previous"] = identical
     out["steps_ms"] = {n: [round(x * 1e3, 3) for x in v] for n, v in times.items()}
     return out
 

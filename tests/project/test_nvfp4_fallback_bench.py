@@ -41,4 +41,5 @@ def test_fallback_benchmark_reports_both_backends_per_decode_step(tmp_path):
         assert r["torch_over_cpu_process_time"] > 0 and r["cpu_process_ms_per_step"] > 0
         assert 0 < r["torch_experts_ms_per_step"] <= r["torch_ms_per_step"]
         assert r["max_logit_diff_over_max_logit"] < 0.05, batch  # the same model on both backends
+        assert r["torch_logits_identical_to_previous"] is True
     assert (tmp_path / "slice" / "config.json").exists()  # --dir keeps what it wrote
