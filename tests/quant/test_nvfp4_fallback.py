@@ -202,3 +202,22 @@ def test_w4a4_products_keep_their_bits():
         )
         expected = (y * (a2 * module.down_proj_weight_scale_2[2].float())).to(dtype)
         assert same_bits(module.format.apply(module, 2, x), expected)
+
+
+def test_scratch_buffers_are_reused_per_thread_up_to_a_bound(monkeypatch):
+    import threading
+
+    a = nvfp4_decode.scratch("test.slot", (8, 32), torch.bfloat16)
+    b = nvfp4_decode.scratch("test.slot", (4, 32), torch.float32)  # same bytes, another view
+    assert a.data_ptr() == b.data_ptr() and b.shape == (4, 32) and b.dtype == torch.float32
+    other: list[int] = []
+    thread = threading.Thread(
+        target=lambda: other.append(nvfp4_decode.scratch("test.slot", (8, 32), a.dtype).data_ptr())
+    )
+    thread.start()
+    thread.join()
+    assert other[0] != a.data_ptr()  # each thread its own
+    monkeypatch.setattr(nvfp4_decode, "SCRATCH_MAX_BYTES", 1024)
+    big = nvfp4_decode.scratch("test.big", (64, 64), torch.bfloat16)  # 8 KiB: over the bound, not kept
+    assert big.shape == (64, 64) and big.dtype == torch.bfloat16
+    assert "test.big" not in nvfp4_decode._local.scratch

@@ -26,6 +26,9 @@ from .nvfp4_math import BLOCK, E2M1_VALUES, dequantize
 # Weights decoded per block: the temporaries of one block (6 bytes a weight, 1.5 MiB) stay
 # within a core's L2 cache, and each op still spans enough elements to use every thread.
 BLOCK_ELEMENTS = 1 << 18
+# The largest decoded weight a thread keeps for reuse (`scratch`): a real-width expert's gate_up
+# in bf16 is 64 MiB, a head over a 202k vocabulary 3.2 GiB (not kept).
+SCRATCH_MAX_BYTES = 256 << 20
 
 
 def _pair_table() -> torch.Tensor:
@@ -45,9 +48,12 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     """This thread's reusable buffer `name`, viewed as `shape` and `dtype`: for a decoded weight
     that one product uses and drops (a fresh tensor of megabytes costs a page fault per 4 KiB
     page on every call). The next request for `name` in this thread overwrites it; it grows to
-    the largest size asked for, so a thread keeps one expert's (or linear's) decoded weights."""
-    buffers = _local.__dict__.setdefault("scratch", {})
+    the largest size asked for, so a thread keeps one expert's (or linear's) decoded weights,
+    at most `SCRATCH_MAX_BYTES` each: a larger weight (an NVFP4 head) gets a new tensor."""
     nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > SCRATCH_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    buffers = _local.__dict__.setdefault("scratch", {})
     buf = buffers.get(name)
     if buf is None or buf.numel() < nbytes:
         buf = buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
