@@ -1,6 +1,7 @@
 """NVFP4 ("modelopt_fp4") weight formats: a linear layer and the fused 3-D experts stored as
 packed E2M1 codes with fp8-e4m3 block scales and fp32 global scales (docs/nvfp4.md §2, §3),
-kept packed in memory and decoded on every product (a plain-torch reference).
+kept packed in memory and decoded on every product (a plain-torch reference; the decoding, in
+row blocks straight to the activation dtype, is `nvfp4_decode.py`'s).
 
 Two numerics modes, one per model:
 - "weight-only": each weight is decoded to fp32, rounded to the activation dtype and
@@ -25,10 +26,27 @@ from ..checkpoint.names import TensorSpec, to_relative
 from ..checkpoint.safetensors_file import SafetensorsFile
 from .format import ExpertsFormat, LinearFormat
 from .gemm import Gemm, linear
-from .nvfp4_math import BLOCK, dequantize, quantize_activation, unscaled_weight
+from .nvfp4_decode import dequantize_to, scratch
+from .nvfp4_math import BLOCK, quantize_activation
 
 MODES = ("weight-only", "w4a4")
 CODES, SCALE = torch.uint8, torch.float8_e4m3fn
+
+
+_ONE = torch.ones((), dtype=torch.float32)
+
+
+def unscaled_weight(packed: torch.Tensor, block_scale: torch.Tensor, reuse: str | None = None) -> torch.Tensor:
+    """E2M1[code] * f32(block scale) in fp32 [N, K] (the W4A4 product's weight factor), decoded in
+    row blocks: the bits of `nvfp4_math.unscaled_weight`. `reuse`: into this thread's scratch
+    buffer of that name (`nvfp4_decode.scratch`), for a weight the caller drops at once."""
+    out = None if reuse is None else scratch(reuse, (packed.shape[0], 2 * packed.shape[1]), torch.float32)
+    return dequantize_to(packed, block_scale, _ONE, torch.float32, out)
+
+
+def _out(reuse: str | None, packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where to decode `packed` [N, K/2]: this thread's scratch buffer `reuse`, or None (a new tensor)."""
+    return None if reuse is None else scratch(reuse, (packed.shape[0], 2 * packed.shape[1]), dtype)
 
 
 def check_mode(mode: str) -> str:
@@ -71,14 +89,21 @@ class Nvfp4Linear(LinearFormat):
 
     def dequantized(self, module: nn.Module) -> torch.Tensor:
         """The decoded weight [N, K] in fp32."""
-        return dequantize(module.weight, module.weight_scale, module.weight_scale_2)
+        return self.decoded(module, torch.float32)
+
+    @staticmethod
+    def decoded(module: nn.Module, dtype: torch.dtype, reuse: str | None = None) -> torch.Tensor:
+        """The decoded weight [N, K] rounded to `dtype` (the fp32 decode, rounded once); `reuse`:
+        into this thread's scratch buffer of that name, for a weight the caller drops at once."""
+        w, s = module.weight, module.weight_scale
+        return dequantize_to(w, s, module.weight_scale_2, dtype, _out(reuse, w, dtype))
 
     def apply(self, module: nn.Module, x: torch.Tensor, gemm: Gemm | None = None) -> torch.Tensor:
         if self.mode == "weight-only":
-            return (gemm or linear)(x, self.dequantized(module).to(x.dtype))
+            return (gemm or linear)(x, self.decoded(module, x.dtype, reuse="linear"))
         xq, _ = quantize_activation(x, module.input_scale)
         alpha = module.input_scale.float() * module.weight_scale_2.float()
-        w = unscaled_weight(module.weight, module.weight_scale)
+        w = unscaled_weight(module.weight, module.weight_scale, reuse="linear")
         return (F.linear(xq, w) * alpha).to(x.dtype)
 
     def __repr__(self) -> str:
@@ -125,11 +150,29 @@ class Nvfp4Experts(ExpertsFormat):
 
     def dequantized(self, module: nn.Module, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s decoded (gate_up [2I, Hm], down [Hm, I]) in fp32."""
-        gate_up = dequantize(
-            module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert], self.gate_up_global(module, expert)
+        return self.decoded(module, expert, torch.float32)
+
+    def decoded(
+        self, module: nn.Module, expert: int, dtype: torch.dtype, reuse: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s (gate_up [2I, Hm], down [Hm, I]), each the fp32 decode rounded once to
+        `dtype`, decoded in row blocks: only this expert's weights are ever decoded, and the
+        caller (`Experts`) asks once per step for each expert its tokens chose. `reuse`: into
+        this thread's scratch buffers, overwritten by the next expert (the caller drops them)."""
+        gu, dn = module.gate_up_proj[expert], module.down_proj[expert]
+        gate_up = dequantize_to(
+            gu,
+            module.gate_up_proj_weight_scale[expert],
+            self.gate_up_global(module, expert),
+            dtype,
+            _out("experts.gate_up" if reuse else None, gu, dtype),
         )
-        down = dequantize(
-            module.down_proj[expert], module.down_proj_weight_scale[expert], module.down_proj_weight_scale_2[expert]
+        down = dequantize_to(
+            dn,
+            module.down_proj_weight_scale[expert],
+            module.down_proj_weight_scale_2[expert],
+            dtype,
+            _out("experts.down" if reuse else None, dn, dtype),
         )
         return gate_up, down
 
@@ -138,7 +181,7 @@ class Nvfp4Experts(ExpertsFormat):
     ) -> torch.Tensor:
         if self.mode == "weight-only":
             mm = gemm or linear
-            gate_up, down = (w.to(x.dtype) for w in self.dequantized(module, expert))
+            gate_up, down = self.decoded(module, expert, x.dtype, reuse=True)
             gate, up = mm(x, gate_up).chunk(2, dim=-1)
             h = F.silu(gate) * up
             return F.linear(h.float(), down.float()) if partial else mm(h, down)
@@ -146,11 +189,13 @@ class Nvfp4Experts(ExpertsFormat):
         a2 = module.down_proj_input_scale.float().max()
         xq, _ = quantize_activation(x, a1)
         ws2 = module.gate_up_proj_weight_scale_2[expert].float()
-        gu = F.linear(xq, unscaled_weight(module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert]))
+        w = unscaled_weight(module.gate_up_proj[expert], module.gate_up_proj_weight_scale[expert], "experts.gate_up")
+        gu = F.linear(xq, w)
         gate, up = gu.chunk(2, dim=-1)
         h = (F.silu(gate * (a1 * ws2[0])) * (up * (a1 * ws2[1]))).to(x.dtype)  # the kernel's rounding: inferred
         hq, _ = quantize_activation(h, a2)
-        y = F.linear(hq, unscaled_weight(module.down_proj[expert], module.down_proj_weight_scale[expert]))
+        w = unscaled_weight(module.down_proj[expert], module.down_proj_weight_scale[expert], "experts.down")
+        y = F.linear(hq, w)
         y = y * (a2 * module.down_proj_weight_scale_2[expert].float())
         return y if partial else y.to(x.dtype)
 
