@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import numa
 from .state import ParallelContext, init_parallel
 
 logger = logging.getLogger("musespark.parallel")
@@ -74,7 +75,9 @@ def _worker(rank: int, world: int, port: int, config: Any, worker_loop: WorkerLo
     # (PR_SET_PDEATHSIG).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    place = numa.placement(rank, world)
+    numa.pin(place)  # before loading: the shard is first touched on this rank's node
+    torch.set_num_threads(len(place.cpus) if place is not None else max(1, torch.get_num_threads() // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_TIMEOUT
     )
@@ -93,6 +96,9 @@ class TensorParallelExecutor:
         self.world = par.world_size  # tensor_parallel_size * pipeline_parallel_size
         self.workers: list[Any] = []
         self._closed = False
+        self._threads = torch.get_num_threads()  # rank 0's, restored at shutdown
+        self._affinity: tuple[int, ...] | None = None
+        self.placement: numa.Placement | None = None  # rank 0's (spawned ranks place themselves)
         if launched_externally():  # torchrun: rank 0 serves, every other rank is a worker
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.world:
@@ -119,6 +125,13 @@ class TensorParallelExecutor:
             ]
             for w in self.workers:
                 w.start()
+            # Rank 0 shares the host's cores with the workers: its own node and CPUs (after
+            # starting them: they inherit the CPUs a process may use when it starts).
+            self.placement = numa.placement(0, self.world)
+            self._affinity = numa.pin(self.placement)
+            torch.set_num_threads(
+                len(self.placement.cpus) if self.placement is not None else max(1, self._threads // self.world)
+            )
             self._watch = threading.Thread(target=self._watchdog, name="musespark-tp-watchdog", daemon=True)
             self._watch.start()
             dist.init_process_group(
@@ -169,5 +182,10 @@ class TensorParallelExecutor:
             w.join(timeout=10)
             if w.is_alive():
                 w.kill()
+        if self.parallel.comm is not None:
+            self.parallel.comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
+        if self._affinity is not None:
+            os.sched_setaffinity(0, self._affinity)
