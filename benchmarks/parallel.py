@@ -12,6 +12,10 @@ TP=2 `--pairs` times so that a busy neighbour slows both alike. The process is f
 against one thread per rank"); the TP=2 ranks split them (parallel/numa.py). The figure is each
 side's median output tokens/s (decode: the prompts are 8 tokens, the warm-up run excluded),
 their ratio, and rank 0's milliseconds inside all-reduce/all-gather per engine step at TP=2.
+A third side, one process on `--cpus / 2` threads, gives `tp2_over_ideal_tp1`: TP=2 against
+twice that (one process whose threads scaled perfectly), a floor for the ratio that holds when
+neighbours load the machine: a process whose threads wait for each other at every parallel
+region stalls far more under load than single-threaded ranks do.
 `--backend auto` runs the native kernels on both sides (the TP ranks sum through shared
 memory, kernels/tp_comm.py); `--backend torch` gives the old comparison. Prints one JSON line last.
 """
@@ -27,7 +31,7 @@ import sys
 import time
 
 
-def measure(args: argparse.Namespace, tp: int, batch: int) -> dict:
+def measure(args: argparse.Namespace, tp: int, batch: int, threads: int) -> dict:
     """One side in this process: load, warm up, time `--tokens` decode steps of `batch` requests."""
     import random
 
@@ -37,7 +41,7 @@ def measure(args: argparse.Namespace, tp: int, batch: int) -> dict:
     from musespark.bench.presets import make_checkpoint
     from musespark.parallel import state
 
-    torch.set_num_threads(max(1, args.cpus // tp))  # rank 0's; the executor gives each rank its share
+    torch.set_num_threads(threads)  # TP: rank 0's; the executor gives each rank its share of the CPUs
     model = args.model or str(make_checkpoint(args.preset))
     llm = LLM(
         model=model,
@@ -80,11 +84,11 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "TP,BATCH": one side, in a child process
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "TP,BATCH,THREADS": one side, in a child
     args = p.parse_args()
     if args.one is not None:
-        tp, batch = (int(x) for x in args.one.split(","))
-        print(json.dumps(measure(args, tp, batch)), flush=True)
+        tp, batch, threads = (int(x) for x in args.one.split(","))
+        print(json.dumps(measure(args, tp, batch, threads)), flush=True)
         return
     from musespark.bench.common import print_json
 
@@ -92,23 +96,33 @@ def main() -> None:
     child = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
     result: dict = {"benchmark": "parallel", "backend": args.backend, "cpus": cpus, "preset": args.preset}
     for batch in (int(b) for b in args.batches.split(",")):
-        runs: dict[int, list[dict]] = {1: [], 2: []}
+        # (TP, threads per rank): one process on every CPU, one process on one thread per rank's
+        # share (what perfect thread scaling would double), TP=2 with one share per rank.
+        sides_of = {"tp1": (1, len(cpus)), "tp1_one_share": (1, max(1, len(cpus) // 2)), "tp2": (2, len(cpus) // 2)}
+        runs: dict[str, list[dict]] = {name: [] for name in sides_of}
         for _ in range(args.pairs):
-            for tp in (1, 2):
-                out = subprocess.run([*child, "--one", f"{tp},{batch}"], capture_output=True, text=True, check=True)
-                runs[tp].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            for name, (tp, threads) in sides_of.items():
+                cmd = [*child, "--one", f"{tp},{batch},{threads}"]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
         sides = {
-            f"tp{tp}": {
+            name: {
                 "tok_s": round(statistics.median(r["tok_s"] for r in rs), 1),
                 "runs": [round(r["tok_s"], 1) for r in rs],
                 "comm_ms_per_step": round(statistics.median(r["comm_ms_per_step"] for r in rs), 3),
                 "backend": rs[0]["backend"],
-                "threads_per_rank": max(1, len(cpus) // tp),
+                "threads_per_rank": sides_of[name][1],
             }
-            for tp, rs in runs.items()
+            for name, rs in runs.items()
         }
-        ratio = sides["tp2"]["tok_s"] / sides["tp1"]["tok_s"]
-        result[f"batch{batch}"] = {**sides, "tp2_over_tp1": round(ratio, 3)}
+        tp2 = sides["tp2"]["tok_s"]
+        result[f"batch{batch}"] = {
+            **sides,
+            "tp2_over_tp1": round(tp2 / sides["tp1"]["tok_s"], 3),
+            # against one process if its threads scaled perfectly: a floor for tp2_over_tp1 that a
+            # busy machine (which stalls a multi-threaded process more than single-threaded ranks) cannot inflate
+            "tp2_over_ideal_tp1": round(tp2 / (2 * sides["tp1_one_share"]["tok_s"]), 3),
+        }
     print_json(result)
 
 

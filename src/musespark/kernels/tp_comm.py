@@ -69,7 +69,8 @@ def attach(par: ParallelContext, capacity: int = CAPACITY) -> ParallelContext:
     import torch.distributed as dist
 
     ops = cpu.native_ops()
-    usable = par.tp_size > 1 and one_host(par) and ops is not None
+    # CPU ranks only (a gloo group): NCCL ranks sum on their GPUs.
+    usable = par.tp_size > 1 and dist.get_backend() == "gloo" and one_host(par) and ops is not None
     # Every rank of the group must take the same choice (each would otherwise wait for the others).
     flags = [None] * par.world_size
     dist.all_gather_object(flags, usable)
