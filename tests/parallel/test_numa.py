@@ -63,6 +63,14 @@ def test_ranks_sharing_a_node_split_its_cpus(two_nodes):
     assert [p.cpus for p in placed] == [(0,), (1,), (0,)]
 
 
+def test_fewer_ranks_than_nodes_take_whole_nodes(tmp_path):
+    root = fake_sysfs(tmp_path, {0: "0-1", 1: "2-3", 2: "4-5", 3: "6-7"})
+    placed = numa.place_ranks(numa.read_nodes(root), world=2)
+    assert [(p.nodes, p.cpus) for p in placed] == [((0, 1), (0, 1, 2, 3)), ((2, 3), (4, 5, 6, 7))]
+    (one,) = numa.place_ranks(numa.read_nodes(root), world=1)
+    assert one.nodes == (0, 1, 2, 3) and "nodes 0-3" in one.describe()
+
+
 def test_pins_the_rank_to_its_node(two_nodes, monkeypatch):
     calls = []
     monkeypatch.setattr(numa.os, "sched_getaffinity", lambda pid: set(range(16)))

@@ -77,6 +77,8 @@ def _worker(rank: int, world: int, port: int, config: Any, worker_loop: WorkerLo
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     place = numa.placement(rank, world)
     numa.pin(place)  # before loading: the shard is first touched on this rank's node
+    if place is not None:
+        logger.info("%s", place.describe())
     torch.set_num_threads(len(place.cpus) if place is not None else max(1, torch.get_num_threads() // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_TIMEOUT
@@ -107,6 +109,9 @@ class TensorParallelExecutor:
                     f"pipeline_parallel_size = {self.world}"
                 )
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "gloo":  # CPU ranks: placed among the ranks the launcher started on this host
+                local = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+                self._place(numa.placement(*local))
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
             if rank != 0:
                 worker_loop(config)
@@ -127,11 +132,9 @@ class TensorParallelExecutor:
                 w.start()
             # Rank 0 shares the host's cores with the workers: its own node and CPUs (after
             # starting them: they inherit the CPUs a process may use when it starts).
-            self.placement = numa.placement(0, self.world)
-            self._affinity = numa.pin(self.placement)
-            torch.set_num_threads(
-                len(self.placement.cpus) if self.placement is not None else max(1, self._threads // self.world)
-            )
+            self._place(numa.placement(0, self.world))
+            if self.placement is None:
+                torch.set_num_threads(max(1, self._threads // self.world))
             self._watch = threading.Thread(target=self._watchdog, name="musespark-tp-watchdog", daemon=True)
             self._watch.start()
             dist.init_process_group(
@@ -141,6 +144,14 @@ class TensorParallelExecutor:
             par.tensor_parallel_size, par.pipeline_parallel_size, par.enable_expert_parallel
         )
         atexit.register(self.shutdown)
+
+    def _place(self, place: numa.Placement | None) -> None:
+        """Pins this process's threads to its placement (parallel/numa.py), one thread per CPU."""
+        self.placement = place
+        self._affinity = numa.pin(place)
+        if place is not None:
+            torch.set_num_threads(len(place.cpus))
+            logger.info("%s", place.describe())
 
     def start(self, num_blocks: int) -> None:
         """Tell the workers how many KV blocks rank 0's scheduler hands out."""

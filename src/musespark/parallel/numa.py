@@ -11,7 +11,8 @@ the scheduler puts them and the weights land wherever they are first written).
 
 Ranks go to nodes in contiguous blocks (rank r of w on node r * n // w), so that with one rank
 per node each socket holds one rank's shard; ranks that share a node split its CPUs (those
-this process may run on) evenly, in order, at least one each.
+this process may run on) evenly, in order, at least one each; with fewer ranks than nodes
+(one rank per host under a launcher) each rank takes its block of whole nodes.
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ class Node:
 @dataclass(frozen=True)
 class Placement:
     rank: int
-    node: int
+    nodes: tuple[int, ...]  # one node, or several when there are fewer ranks than nodes
     cpus: tuple[int, ...]  # the CPUs this rank's threads are pinned to (its thread count)
 
+    @property
+    def node(self) -> int:
+        return self.nodes[0]
+
     def describe(self) -> str:
+        where = f"node {self.node}" if len(self.nodes) == 1 else f"nodes {format_cpulist(self.nodes)}"
         return (
-            f"rank {self.rank}: node {self.node}, CPUs {format_cpulist(self.cpus)} "
-            f"({len(self.cpus)} threads); its shard of the weights is first touched on node {self.node}"
+            f"rank {self.rank}: {where}, CPUs {format_cpulist(self.cpus)} ({len(self.cpus)} threads); "
+            f"its shard of the weights is first touched on {where}"
         )
 
 
@@ -91,9 +97,14 @@ def place_ranks(nodes: list[Node], world: int, allowed: set[int] | None = None) 
     usable = [n for n in usable if n.cpus]
     if not usable or world < 1:
         return []
-    node_of = [r * len(usable) // world for r in range(world)]
+    n = len(usable)
+    node_of = [r * n // world for r in range(world)]
     out = []
     for r in range(world):
+        if world < n:  # fewer ranks than nodes: each rank takes whole nodes, [r n / w, (r + 1) n / w)
+            mine = usable[node_of[r] : (r + 1) * n // world]
+            out.append(Placement(r, tuple(m.id for m in mine), tuple(c for m in mine for c in m.cpus)))
+            continue
         node = usable[node_of[r]]
         peers = [q for q in range(world) if node_of[q] == node_of[r]]
         k, i = len(peers), peers.index(r)
@@ -103,7 +114,7 @@ def place_ranks(nodes: list[Node], world: int, allowed: set[int] | None = None) 
             cpus = node.cpus[start : start + size + (1 if i < extra else 0)]
         else:  # more ranks than CPUs: one each, shared round-robin
             cpus = (node.cpus[i % len(node.cpus)],)
-        out.append(Placement(r, node.id, cpus))
+        out.append(Placement(r, (node.id,), cpus))
     return out
 
 
