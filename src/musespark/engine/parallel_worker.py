@@ -12,6 +12,7 @@ from ..config import EngineConfig
 from ..kernels.tp_comm import attach
 from ..model.load import load_model
 from ..parallel.state import init_parallel
+from ..parallel.step_channel import StepChannel
 from .model_runner import ModelRunner
 
 
@@ -27,17 +28,23 @@ def run_worker(config: EngineConfig) -> None:
         parallel=par,
         nvfp4_mode=config.model.nvfp4_mode,
     )
-    sizes = [None]
-    dist.broadcast_object_list(sizes, src=0)
+    start = [None]
+    dist.broadcast_object_list(start, src=0)
+    num_blocks, channel_path = start[0]  # TensorParallelExecutor.start
     runner = ModelRunner(
-        model, config.cache, config.scheduler.max_model_len, config.scheduler.max_num_seqs, num_blocks=sizes[0]
+        model, config.cache, config.scheduler.max_model_len, config.scheduler.max_num_seqs, num_blocks=num_blocks
     )
+    channel = None if channel_path is None else StepChannel(channel_path, par.rank, par.world_size)
     while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
+        if channel is not None:
+            inputs = channel.recv()
+        else:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            inputs = box[0]
+        if inputs is None:
             break
-        runner.forward(box[0])
+        runner.forward(inputs)
     if par.comm is not None:
         par.comm.close()
     dist.destroy_process_group()

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from . import numa
 from .state import ParallelContext, init_parallel
+from .step_channel import StepChannel
 
 logger = logging.getLogger("musespark.parallel")
 WorkerLoop = Callable[[Any], None]  # a worker rank's loop, given the engine config
@@ -101,6 +102,8 @@ class TensorParallelExecutor:
         self._threads = torch.get_num_threads()  # rank 0's, restored at shutdown
         self._affinity: tuple[int, ...] | None = None
         self.placement: numa.Placement | None = None  # rank 0's (spawned ranks place themselves)
+        self.channel: StepChannel | None = None  # the step messages through shared memory (one host)
+        self._sent = 0
         if launched_externally():  # torchrun: rank 0 serves, every other rank is a worker
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.world:
@@ -154,11 +157,21 @@ class TensorParallelExecutor:
             logger.info("%s", place.describe())
 
     def start(self, num_blocks: int) -> None:
-        """Tell the workers how many KV blocks rank 0's scheduler hands out."""
-        dist.broadcast_object_list([num_blocks], src=0)
+        """Tell the workers how many KV blocks rank 0's scheduler hands out, and where the step
+        channel is (ranks of one host: parallel/step_channel.py; else None: gloo)."""
+        local = not launched_externally() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+        if local and dist.get_backend() == "gloo":
+            self.channel = StepChannel.create(self.world)
+        dist.broadcast_object_list([(num_blocks, None if self.channel is None else self.channel.path)], src=0)
 
     def broadcast(self, inputs: Any) -> None:
-        dist.broadcast_object_list([inputs], src=0)
+        if self.channel is None:
+            dist.broadcast_object_list([inputs], src=0)
+            return
+        self.channel.send(inputs)
+        self._sent += 1
+        if self._sent == 2:  # every worker has read the first message, so has opened the file
+            self.channel.unlink()
 
     def _watchdog(self) -> None:
         while not self._closed:
@@ -186,7 +199,11 @@ class TensorParallelExecutor:
             return
         self._closed = True
         try:
-            dist.broadcast_object_list([None], src=0)
+            if self.channel is not None:
+                self.channel.unlink()
+                self.channel.send(None, timeout=10.0)
+            else:
+                dist.broadcast_object_list([None], src=0)
         except Exception:  # a broken group: the workers are killed below
             pass
         for w in self.workers:
