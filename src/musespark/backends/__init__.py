@@ -6,7 +6,7 @@
   CUDA device (on the CPU only under TRITON_INTERPRET=1, for tests); never chosen by `auto`.
 * `auto`  — `cpu` for a model on the CPU when the kernels are available (they are not
   under `MUSESPARK_CPU_KERNELS=0`, without a compiler, or on other CPUs), else `torch`
-  (always `torch` for one rank of a tensor/pipeline-parallel model).
+  (`torch` for a pipeline stage or for tensor-parallel ranks on several hosts).
 
 A new device or kernel family is one more `Backend` subclass and one more name here.
 """
@@ -37,9 +37,16 @@ def select_backend(name: str | Backend, model: DecoderModel) -> Backend:
         raise ValueError(f"backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
     if name == "torch":
         return TorchBackend()
-    if model.parallel.world_size > 1:  # the native kernels compute whole layers: one process only
+    par = model.parallel
+    # The native kernels compute whole layers: one process, or the tensor/expert-parallel ranks
+    # of one host, which sum their partial products inside the fused blocks over shared memory
+    # (kernels/tp_comm.py). Pipeline stages and ranks across hosts run torch.
+    if par.world_size > 1 and not (par.pp_size == 1 and par.comm is not None):
         if name == "cpu":
-            raise ValueError("backend='cpu' runs one process; tensor/pipeline parallel models use backend='torch'")
+            raise ValueError(
+                "backend='cpu' runs one process or the tensor-parallel ranks of one host (no pipeline "
+                "parallelism); use backend='torch' or 'auto'"
+            )
         return TorchBackend()
     from ..kernels import cpu
     from .cpu_backend import CpuBackend

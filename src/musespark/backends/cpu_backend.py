@@ -74,6 +74,13 @@ class CpuBackend(TorchBackend):
         self.decode_plan = DecodePlan(self.args)
         self._plans: dict[str, CpuPlan] = {}  # one per kernel path met (tests switch paths)
         self._prompt_rows: torch.Tensor | None = None  # the current step's (`step`)
+        # A tensor/expert-parallel rank (one host): its fused blocks sum their partial products
+        # over the TP group (kernels/tp_comm.py), switched on only inside this model's steps, so
+        # another model in this process computes as one process. Outside a step its layers take
+        # the reference code, whose Linear/Experts modules reduce for themselves.
+        self._comm = model.parallel.comm if model.parallel.tp_size > 1 else None
+        self._expert_parallel = model.parallel.expert_parallel
+        self._reducing = self._comm is None
         self._follow_path()
 
     @property
@@ -103,10 +110,20 @@ class CpuBackend(TorchBackend):
         rows = ctx.prompt_rows
         self._prompt_rows = rows.contiguous() if rows is not None and bool(rows.any()) else None
         self._follow_path()
+        if self._comm is not None:
+            self._comm.blocks(True, self._expert_parallel)
+            self._reducing = True
         try:
             yield
         finally:
             self._prompt_rows = None
+            if self._comm is not None:
+                self._reducing = False
+                self._comm.blocks(False, False)
+
+    def _fused(self, dtype: torch.dtype, rows: int) -> bool:
+        """Whether a layer step takes the fused blocks now (a TP rank's: only inside its step)."""
+        return self._reducing and self.plan.fused(dtype, rows)
 
     def _prompt(self, s: torch.Tensor) -> torch.Tensor | None:
         """The step's prompt-row flags when they describe these rows (a layer called on its own: None)."""
@@ -142,7 +159,7 @@ class CpuBackend(TorchBackend):
     def attn_in(
         self, layer: DecoderLayerModule, s: torch.Tensor, rotary: Rotary, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self.plan.fused(dtype, s.shape[0]):
+        if not self._fused(dtype, s.shape[0]):
             return super().attn_in(layer, s, rotary, dtype)
         cos, sin = rotary or (None, None)
         return self.ops.attn_in(s, *self.args.attn_in(layer), cos, sin, dtype == torch.bfloat16, self._prompt(s))
@@ -195,17 +212,17 @@ class CpuBackend(TorchBackend):
         )
 
     def attn_out(self, layer: DecoderLayerModule, s: torch.Tensor, o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        if not self.plan.fused(o.dtype, s.shape[0]):
+        if not self._fused(o.dtype, s.shape[0]):
             return super().attn_out(layer, s, o, g)
         return self.ops.attn_out(s, o.contiguous(), g, *self.args.attn_out(layer), self._prompt(s))
 
     def dense_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not self.plan.fused(dtype, s.shape[0]):
+        if not self._fused(dtype, s.shape[0]):
             return super().dense_ffn(layer, s, dtype)
         return self.ops.ffn_dense(s, *self.args.ffn(layer), dtype == torch.bfloat16, self._prompt(s))
 
     def moe_ffn(self, layer: DecoderLayerModule, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not self.plan.fused(dtype, s.shape[0]):
+        if not self._fused(dtype, s.shape[0]):
             return super().moe_ffn(layer, s, dtype)
         return self.ops.ffn_moe(s, *self.args.ffn(layer), dtype == torch.bfloat16, self._prompt(s))
 
@@ -219,10 +236,13 @@ class CpuBackend(TorchBackend):
         if not self.plan.head(y, model.lm_head.weight.dtype):
             return super().logits(model, y)
         head = self.weights.linear(model.lm_head)
-        return self.ops.softcapped_logits(
+        x = self.ops.softcapped_logits(
             y.reshape(-1, y.shape[-1]),
             head[0],
             model.config.output_multiplier,
             model.config.final_logit_softcapping,
             head[1] if len(head) == 2 else None,
         )
+        # Vocab-parallel head: the soft cap is elementwise, so capping each block before the
+        # (exact) gather equals capping after it; then the padding past V is cut off.
+        return model.parallel.gather_last_dim(x)[..., : model.config.vocab_size]

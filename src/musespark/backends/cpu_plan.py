@@ -63,7 +63,7 @@ class CpuPlan:
     another route make one with `dataclasses.replace` and assign it to `CpuBackend.plan`."""
 
     path: str  # the kernel path (kernels.cpu.kernel_path)
-    fused_blocks: bool  # every layer in the fused ops: fusable formats, widths % 8, one process
+    fused_blocks: bool  # every layer in the fused ops: fusable formats, widths % 8, one process or a TP rank
     native_decode: bool  # the paged decode-attention kernel (head_dim % 8)
     native_prefill: bool  # the prompt-attention kernel (head_dim % 16, <= 128 or 256; panel paths)
     native_head: bool  # a dense head, hidden % 8
@@ -124,19 +124,21 @@ def _decode_rows(ctx: AttentionContext, rows: int) -> bool:
 
 def select_plan(model: DecoderModel, path: str, panels: bool) -> CpuPlan:
     """The plan of `model` on kernel path `path` (`panels`: whether that path packs bf16 weights)."""
-    cfg = model.config
+    cfg, tp = model.config, model.parallel.tp_size
     widths = (cfg.hidden_size, cfg.head_dim, cfg.moe_hidden_size, cfg.moe_intermediate_size, cfg.intermediate_size)
+    widths += (cfg.moe_intermediate_size // tp, cfg.intermediate_size // tp)  # a TP rank's slices
     fusable = all(_fusable(m.format) for m in model.modules() if hasattr(m, "format") and m is not model.lm_head)
     head = getattr(model.lm_head, "format", None)
     return CpuPlan(
         path=path,
-        fused_blocks=fusable and all(n % 8 == 0 for n in widths) and model.parallel.tp_size == 1,
+        # A TP rank's fused blocks sum its partial products at their split point (kernels/tp_comm.py).
+        fused_blocks=fusable and all(n % 8 == 0 for n in widths) and (tp == 1 or model.parallel.comm is not None),
         native_decode=cfg.head_dim % 8 == 0,
         native_prefill=path in cpu.PANEL_PATHS
         and cfg.head_dim % 16 == 0
         and (cfg.head_dim <= 128 or cfg.head_dim == 256),
         native_head=isinstance(head, DenseLinear) and cfg.hidden_size % 8 == 0,
-        native_embed=model.embed_tokens.weight.dtype == torch.bfloat16,
+        native_embed=model.embed_tokens.weight.dtype == torch.bfloat16 and tp == 1,  # TP: a vocabulary block
         panels=panels,
         widen_bf16=is_x86() and not has_native_bf16(),
     )

@@ -91,16 +91,18 @@ class EngineCore:
         settings, sched = config.model, config.scheduler
         self.executor = None
         if config.parallel.world_size > 1:  # tensor parallel: this process is rank 0 of the workers it spawns
+            from ..kernels.tp_comm import attach as attach_shared_memory
             from ..parallel.executor import TensorParallelExecutor
             from .parallel_worker import run_worker
 
             self.executor = TensorParallelExecutor(config, run_worker)
-            backend = "torch" if settings.backend == "auto" else settings.backend
+            # one host: the TP ranks sum through shared memory, and the native kernels can run them
+            self.executor.parallel = attach_shared_memory(self.executor.parallel)
             self.model = load_model(
                 settings.path,
                 dtype=settings.dtype,
                 progress=progress,
-                backend=backend,
+                backend=settings.backend,
                 parallel=self.executor.parallel,
                 nvfp4_mode=settings.nvfp4_mode,
             )

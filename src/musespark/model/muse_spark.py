@@ -240,7 +240,7 @@ class MuseSparkForCausalLM(nn.Module):
             # A backend may run the whole step in one call, with the same bits (Backend.decode_forward).
             whole = (
                 None
-                if par.world_size > 1
+                if par.pp_size > 1
                 else backend.decode_forward(self, input_ids, positions, ctx, rope, dtype, tuple(aux_layers))
             )
             if whole is not None:

@@ -25,9 +25,9 @@ checkpoint holds, parallel/plan.py) and adds what the cpu backend makes and read
   products 67 G/s per core.
 
 Sockets multiply the bandwidth and cores: that assumes NUMA-aware placement (weights on the
-node whose threads read them), which musespark does not do yet; without it a second socket
-reads across the inter-socket link. Not counted: activations and workspaces, the OS, the
-page cache.
+node whose threads read them), which musespark does with one tensor-parallel rank per socket
+(`-tp S`, docs/parallel.md §11); one process spread over the sockets reads across the link.
+Not counted: activations and workspaces, the OS, the page cache.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def plan_cpu_server(
     if sockets > 1:
         notes.append(
             f"{sockets} sockets: bandwidth and cores counted for all of them, which assumes NUMA-aware "
-            "placement (not done yet: today the other sockets read their weights across the link)"
+            f"placement: one tensor-parallel rank per socket (-tp {sockets}); one process on them reads across the link"
         )
     if assumed:
         notes.append(

@@ -38,7 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import numa
 from .state import ParallelContext, init_parallel
+from .step_channel import StepChannel
 
 logger = logging.getLogger("musespark.parallel")
 WorkerLoop = Callable[[Any], None]  # a worker rank's loop, given the engine config
@@ -74,7 +76,11 @@ def _worker(rank: int, world: int, port: int, config: Any, worker_loop: WorkerLo
     # (PR_SET_PDEATHSIG).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    place = numa.placement(rank, world)
+    numa.pin(place)  # before loading: the shard is first touched on this rank's node
+    if place is not None:
+        logger.info("%s", place.describe())
+    torch.set_num_threads(len(place.cpus) if place is not None else max(1, torch.get_num_threads() // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_TIMEOUT
     )
@@ -93,6 +99,11 @@ class TensorParallelExecutor:
         self.world = par.world_size  # tensor_parallel_size * pipeline_parallel_size
         self.workers: list[Any] = []
         self._closed = False
+        self._threads = torch.get_num_threads()  # rank 0's, restored at shutdown
+        self._affinity: tuple[int, ...] | None = None
+        self.placement: numa.Placement | None = None  # rank 0's (spawned ranks place themselves)
+        self.channel: StepChannel | None = None  # the step messages through shared memory (one host)
+        self._sent = 0
         if launched_externally():  # torchrun: rank 0 serves, every other rank is a worker
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
             if world != self.world:
@@ -101,6 +112,9 @@ class TensorParallelExecutor:
                     f"pipeline_parallel_size = {self.world}"
                 )
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "gloo":  # CPU ranks: placed among the ranks the launcher started on this host
+                local = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+                self._place(numa.placement(*local))
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
             if rank != 0:
                 worker_loop(config)
@@ -119,6 +133,11 @@ class TensorParallelExecutor:
             ]
             for w in self.workers:
                 w.start()
+            # Rank 0 shares the host's cores with the workers: its own node and CPUs (after
+            # starting them: they inherit the CPUs a process may use when it starts).
+            self._place(numa.placement(0, self.world))
+            if self.placement is None:
+                torch.set_num_threads(max(1, self._threads // self.world))
             self._watch = threading.Thread(target=self._watchdog, name="musespark-tp-watchdog", daemon=True)
             self._watch.start()
             dist.init_process_group(
@@ -129,12 +148,30 @@ class TensorParallelExecutor:
         )
         atexit.register(self.shutdown)
 
+    def _place(self, place: numa.Placement | None) -> None:
+        """Pins this process's threads to its placement (parallel/numa.py), one thread per CPU."""
+        self.placement = place
+        self._affinity = numa.pin(place)
+        if place is not None:
+            torch.set_num_threads(len(place.cpus))
+            logger.info("%s", place.describe())
+
     def start(self, num_blocks: int) -> None:
-        """Tell the workers how many KV blocks rank 0's scheduler hands out."""
-        dist.broadcast_object_list([num_blocks], src=0)
+        """Tell the workers how many KV blocks rank 0's scheduler hands out, and where the step
+        channel is (ranks of one host: parallel/step_channel.py; else None: gloo)."""
+        local = not launched_externally() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+        if local and dist.get_backend() == "gloo":
+            self.channel = StepChannel.create(self.world)
+        dist.broadcast_object_list([(num_blocks, None if self.channel is None else self.channel.path)], src=0)
 
     def broadcast(self, inputs: Any) -> None:
-        dist.broadcast_object_list([inputs], src=0)
+        if self.channel is None:
+            dist.broadcast_object_list([inputs], src=0)
+            return
+        self.channel.send(inputs)
+        self._sent += 1
+        if self._sent == 2:  # every worker has read the first message, so has opened the file
+            self.channel.unlink()
 
     def _watchdog(self) -> None:
         while not self._closed:
@@ -162,12 +199,21 @@ class TensorParallelExecutor:
             return
         self._closed = True
         try:
-            dist.broadcast_object_list([None], src=0)
+            if self.channel is not None:
+                self.channel.unlink()
+                self.channel.send(None, timeout=10.0)
+            else:
+                dist.broadcast_object_list([None], src=0)
         except Exception:  # a broken group: the workers are killed below
             pass
         for w in self.workers:
             w.join(timeout=10)
             if w.is_alive():
                 w.kill()
+        if self.parallel.comm is not None:
+            self.parallel.comm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self._threads)
+        if self._affinity is not None:
+            os.sched_setaffinity(0, self._affinity)

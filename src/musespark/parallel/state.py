@@ -30,6 +30,9 @@ class ParallelContext:
     pp_rank: int = 0
     expert_parallel: bool = False
     tp_group: Any = None  # torch.distributed ProcessGroup of this stage's TP ranks (None: one process)
+    # The TP group's shared-memory all-reduce when its ranks share a host (kernels/tp_comm.py
+    # ShmComm: `all_reduce_(x)` sums a contiguous fp32 tensor in place, in rank order); None: gloo.
+    comm: Any = None
 
     def __post_init__(self) -> None:
         for name, size, rank in (
@@ -97,11 +100,14 @@ class ParallelContext:
         """Sum over the TP group in fp32, rounded once to x's dtype (identity for tp=1)."""
         if self.tp_size == 1:
             return x
-        import torch.distributed as dist
-
-        acc = x.float().contiguous()
+        acc = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # reduced in place
         t = time.perf_counter()
-        dist.all_reduce(acc, group=self.tp_group)
+        if self.comm is not None:
+            self.comm.all_reduce_(acc)
+        else:
+            import torch.distributed as dist
+
+            dist.all_reduce(acc, group=self.tp_group)
         COMM_SECONDS[0] += time.perf_counter() - t
         return acc.to(x.dtype)
 
@@ -109,6 +115,14 @@ class ParallelContext:
         """[..., n] per rank -> [..., tp * n], rank-major (identity for tp=1)."""
         if self.tp_size == 1:
             return x
+        if self.comm is not None:  # each block placed in zeros and summed: one contributor per element, exact
+            n = x.shape[-1]
+            full = torch.zeros(*x.shape[:-1], self.tp_size * n, dtype=torch.float32)
+            full[..., self.tp_rank * n : (self.tp_rank + 1) * n] = x
+            t = time.perf_counter()
+            self.comm.all_reduce_(full)
+            COMM_SECONDS[0] += time.perf_counter() - t
+            return full.to(x.dtype)
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.tp_size)]

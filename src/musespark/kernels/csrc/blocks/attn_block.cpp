@@ -7,6 +7,7 @@
 #include "../common/simd.h"
 #include "../gemm/jobs.h"
 #include "block.h"
+#include "tp_comm.h"
 
 #include <cmath>
 #include <tuple>
@@ -132,6 +133,7 @@ Tensor attn_out(const Tensor& s, const Tensor& o, const Tensor& g, at::TensorLis
   else
     gate(o.data_ptr<float>(), g.data_ptr<float>());
   run_jobs({wo.job(x, T, a, H, bf16, 0, prompt)});
+  if (musespark_tp::blocks_reduce()) musespark_tp::all_reduce(a, T * H);  // o_proj is row-parallel
   return residual(s, a, nullptr, static_cast<float>(post_eps), alpha, beta, bf16);
 }
 

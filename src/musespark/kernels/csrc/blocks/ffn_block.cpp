@@ -8,6 +8,7 @@
 #include "../common/pool.h"
 #include "../gemm/jobs.h"
 #include "block.h"
+#include "tp_comm.h"
 
 #include <algorithm>
 #include <atomic>
@@ -73,6 +74,7 @@ Tensor ffn_dense(const Tensor& s, const Tensor& pre_gain, double eps, at::Tensor
   run_jobs({w_gate.job(f, T, gu, 2 * I, bf16, 0, prompt), w_up.job(f, T, gu + I, 2 * I, bf16, 0, prompt)});
   swiglu(gu, T, I, act, bf16);
   run_jobs({w_down.job(act, T, b, H, bf16, 0, prompt)});
+  if (musespark_tp::blocks_reduce()) musespark_tp::all_reduce(b, T * H);  // down_proj is row-parallel
   return residual(s, b, post_gain.data_ptr<float>(), static_cast<float>(post_eps), alpha, beta, bf16);
 }
 
@@ -180,7 +182,18 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
               "ffn_moe: router must be a contiguous float32 [E, ", H, "]");
   TORCH_CHECK(top_k >= 1 && top_k <= E, "ffn_moe: top_k must be in [1, E]");
   const int64_t I = gate_up.N / 2;
-  TORCH_CHECK(gate_up.E == E && gate_up.K == Hm && down.E == E && down.N == Hm && down.K == I && Hm % 8 == 0 &&
+  // Under expert parallelism this rank holds experts [first, first + local) of the E
+  // (docs/parallel.md §3, plan.expert_range); other ranks' slots contribute zero here and the
+  // weighted mix is summed over the ranks. TP-split experts: the down rows are partial sums,
+  // summed over the ranks before the per-expert norm (blocks/tp_comm.h).
+  const bool ep = musespark_tp::blocks_reduce() && musespark_tp::expert_parallel();
+  const bool split_rows = musespark_tp::blocks_reduce() && !ep;
+  const int64_t local = ep ? E / musespark_tp::world() + (musespark_tp::rank() < E % musespark_tp::world() ? 1 : 0) : E;
+  const int64_t first = ep ? musespark_tp::rank() * (E / musespark_tp::world()) +
+                                 std::min(musespark_tp::rank(), E % musespark_tp::world())
+                           : 0;
+  auto owned = [&](int64_t x) { return x >= first && x < first + local; };
+  TORCH_CHECK(gate_up.E == local && gate_up.K == Hm && down.E == local && down.N == Hm && down.K == I && Hm % 8 == 0 &&
                   I % 8 == 0,
               "ffn_moe: gate_up and down must be [E, 2I, Hm] and [E, Hm, I] (as bf16 elements): their shapes disagree "
               "with the router and pooler (or Hm, I are not multiples of 8)");
@@ -225,7 +238,13 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     for (int64_t r = 0; r < A; ++r) prompt_of[r] = prompt[order[r] / top_k];
   }
   float* ys = scratch(kExpertOut, A * Hm);
-  const std::vector<ExpertTask> tasks = whole_expert_tasks(start, gate_up, down, bf16);
+  std::vector<ExpertTask> tasks = whole_expert_tasks(start, gate_up, down, bf16);
+  if (ep) {
+    tasks.erase(std::remove_if(tasks.begin(), tasks.end(), [&](const ExpertTask& t) { return !owned(t.x); }),
+                tasks.end());
+    for (int64_t x = 0; x < E; ++x)  // another rank's expert: zero rows here
+      if (!owned(x)) std::fill(ys + start[x] * Hm, ys + start[x + 1] * Hm, 0.f);
+  }
   if (!tasks.empty()) {
     // Each thread takes the next task (the costliest first) and runs it whole: gather its
     // rows, gate/up, SwiGLU, down, with the intermediates in the thread's own scratch
@@ -237,9 +256,9 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
         const uint8_t* flags = prompt != nullptr ? prompt_of.data() + r0 : nullptr;
         float *xs = scratch(kExpertIn, n * Hm), *gu = scratch(kGateUp, n * 2 * I), *act = scratch(kAct, n * I);
         for (int64_t r = 0; r < n; ++r) std::copy_n(u + (order[r0 + r] / top_k) * Hm, Hm, xs + r * Hm);
-        musespark_gemv::run_job_here(gate_up.job(xs, n, gu, 2 * I, bf16, x, flags));
+        musespark_gemv::run_job_here(gate_up.job(xs, n, gu, 2 * I, bf16, x - first, flags));
         swiglu(gu, n, I, act, bf16);
-        musespark_gemv::run_job_here(down.job(act, n, ys + r0 * Hm, Hm, bf16, x, flags));
+        musespark_gemv::run_job_here(down.job(act, n, ys + r0 * Hm, Hm, bf16, x - first, flags));
       }
     });
   } else {
@@ -250,15 +269,16 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
     std::vector<Job> up_jobs, down_jobs;
     for (int64_t x = 0; x < E; ++x) {
       const int64_t r0 = start[x], n = start[x + 1] - r0;
-      if (n == 0) continue;
+      if (n == 0 || !owned(x)) continue;
       const uint8_t* flags = prompt != nullptr ? prompt_of.data() + r0 : nullptr;
-      up_jobs.push_back(gate_up.job(xs + r0 * Hm, n, gu + r0 * 2 * I, 2 * I, bf16, x, flags));
-      down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x, flags));
+      up_jobs.push_back(gate_up.job(xs + r0 * Hm, n, gu + r0 * 2 * I, 2 * I, bf16, x - first, flags));
+      down_jobs.push_back(down.job(act + r0 * I, n, ys + r0 * Hm, Hm, bf16, x - first, flags));
     }
     run_jobs(up_jobs);
     swiglu(gu, A, I, act, bf16);
     run_jobs(down_jobs);
   }
+  if (split_rows) musespark_tp::all_reduce(ys, A * Hm);  // full expert rows before their norm
   std::vector<int64_t> row_of(A);  // assignment -> its row in ys
   for (int64_t r = 0; r < A; ++r) row_of[order[r]] = r;
 
@@ -277,8 +297,12 @@ Tensor ffn_moe(const Tensor& s, const Tensor& pre_gain, double eps, const Tensor
         mr[i] = j == 0 ? z : mr[i] + z;
       }
     }
-    round_row(mr, Hm, bf16);
+    if (!ep) round_row(mr, Hm, bf16);
   });
+  if (ep) {  // the mix of every rank's slots, then rounded once
+    musespark_tp::all_reduce(m, T * Hm);
+    for_rows(T, 0, [&](int64_t t, float*) { round_row(m + t * Hm, Hm, bf16); });
+  }
   run_jobs({w_post.job(m, T, b, H, bf16, 0, prompt)});
   return residual(s, b, post_gain.data_ptr<float>(), pe, alpha, beta, bf16);
 }
