@@ -33,50 +33,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from musespark.apps.demo_tools import DEMO_TOOLS
+
 START, MESSAGE, EOM, EOT = "<|start|>", "<|message|>", "<|eom|>", "<|eot|>"
 MUSE_SPECIAL_TOKENS = [START, MESSAGE, EOM, EOT]
 
-TOOLS: dict[str, dict[str, Any]] = {
-    "get_weather": {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "description": "City name, e.g. Paris"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    "calculator": {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 5"}},
-                "required": ["expression"],
-            },
-        },
-    },
-    "read_file": {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Read a text file and return its contents.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string", "description": "Path of the file"}},
-                "required": ["path"],
-            },
-        },
-    },
-}
+# The demo tools' definitions: the model is trained on the schemas `generate --run-tools` offers.
+TOOLS: dict[str, dict[str, Any]] = DEMO_TOOLS
 TOOL_NAMES = list(TOOLS)
 STRENGTHS = ["low", "medium", "high"]
 HOLD_OUT_PERCENT = 20

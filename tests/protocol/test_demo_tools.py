@@ -186,13 +186,6 @@ def test_run_tool_runs_each_tool(tree):
     assert run_tool("read_file", {"path": "notes/todo.txt"}, tree) == "buy milk\ncall Anna\n"
 
 
-def test_demo_tools_are_the_ones_the_model_was_trained_on():
-    sys.path.insert(0, str(REPO / "tools"))
-    import muse_chat_data
-
-    assert DEMO_TOOLS == muse_chat_data.TOOLS
-
-
 # -- musespark generate --chat --run-tools -------------------------------------------------------
 
 

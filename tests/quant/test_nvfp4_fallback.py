@@ -221,3 +221,17 @@ def test_scratch_buffers_are_reused_per_thread_up_to_a_bound(monkeypatch):
     big = nvfp4_decode.scratch("test.big", (64, 64), torch.bfloat16)  # 8 KiB: over the bound, not kept
     assert big.shape == (64, 64) and big.dtype == torch.bfloat16
     assert "test.big" not in nvfp4_decode._local.scratch
+
+
+def test_buffers_made_in_inference_mode_serve_outside_it_and_back():
+    """The per-thread workspace and scratch are kept across calls: those first made inside
+    `torch.inference_mode` (the engine's steps) must still take writes outside it (a test, a
+    training script), and the other way round, with the same bits each time."""
+    g = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (64, 128), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0x20, 0x40, (64, 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    want = old_dequantize(packed, scales, torch.tensor(0.37)).to(torch.bfloat16)
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            assert torch.equal(dequantize_to(packed, scales, torch.tensor(0.37), torch.bfloat16), want)
+            nvfp4_decode.scratch("test-buffer", (64, 256), torch.bfloat16).fill_(1.0)

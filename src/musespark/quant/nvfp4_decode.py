@@ -56,7 +56,8 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     buffers = _local.__dict__.setdefault("scratch", {})
     buf = buffers.get(name)
     if buf is None or buf.numel() < nbytes:
-        buf = buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
+        with torch.inference_mode(False):  # a normal tensor: reused both inside inference mode and outside
+            buf = buffers[name] = torch.empty(nbytes, dtype=torch.uint8)
     return buf[:nbytes].view(dtype).view(shape)
 
 
@@ -87,7 +88,8 @@ def _workspace(rows: int, half: int) -> _Workspace:
     """This thread's workspace, grown to hold `rows` x `half` bytes (at most one block's worth)."""
     work = getattr(_local, "work", None)
     if work is None or work.index.numel() < rows * half:
-        work = _local.work = _Workspace(rows, half)
+        with torch.inference_mode(False):  # normal tensors: reused both inside inference mode and outside
+            work = _local.work = _Workspace(rows, half)
     return work
 
 
