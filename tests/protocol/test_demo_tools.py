@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from musespark.apps.demo_tools import (
-    DEMO_TOOLS,
     MAX_FILE_BYTES,
     ToolError,
     calculator,
