@@ -81,7 +81,8 @@ inline void tile(const float* x, int64_t K, const uint16_t* w, int64_t ldw, floa
 }
 
 // NR weight rows against all M rows of x, MR = 4 rows at a time (4 x 4 tiles: 16
-// accumulators, 4 x registers, one weight register of the 32), the last rows in a shorter tile.
+// accumulators, 8 x registers (even and odd), 2 weight registers of the 32), the last rows in a
+// shorter tile.
 template <int NR>
 inline void tile_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t ldw, float* y, int64_t ldy,
                       int64_t ldn, int64_t ahead) {
