@@ -4,8 +4,9 @@
 //
 // Which kernel takes a job is the dispatch table's (common/dispatch.h): on paths with bf16
 // hardware, products whose x and w both hold bf16 values run its bf16_dots or bf16_panels
-// (which one: split_prompt_runs); NVFP4 weights its nvfp4_rows; everything else the AVX2 fp32
-// tiles (gemm/avx2_tiles.h). Every kernel computes each row alone in a fixed order, so a
+// (which one: split_prompt_runs); NVFP4 weights its nvfp4_rows; other bf16 weights its widened
+// kernel where it has one (the avx512 path, gemm/widened_avx512.cpp); everything else the AVX2
+// fp32 tiles (gemm/avx2_tiles.h). Every kernel computes each row alone in a fixed order, so a
 // row's result never depends on the other rows of its batch.
 #pragma once
 #include <ATen/core/Tensor.h>
