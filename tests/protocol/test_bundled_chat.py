@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from musespark import LLM, SamplingParams
+from musespark.apps.demo_tools import DEMO_TOOLS
 from musespark.engine.args import bundled_model_path
 from musespark.parsers import MuseOutputParser, tool_schemas_from_openai
 
@@ -25,45 +26,7 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "muse_chat_template.ji
 MARKERS = {"<|start|>": 4096, "<|message|>": 4097, "<|eom|>": 4098, "<|eot|>": 4099}
 EOT = 4099
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "City name, e.g. Paris"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-        },
-    },
-}
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 5"}},
-            "required": ["expression"],
-        },
-    },
-}
-READ_FILE = {
-    "type": "function",
-    "function": {
-        "name": "read_file",
-        "description": "Read a text file and return its contents.",
-        "parameters": {
-            "type": "object",
-            "properties": {"path": {"type": "string", "description": "Path of the file"}},
-            "required": ["path"],
-        },
-    },
-}
+WEATHER, CALCULATOR, READ_FILE = (DEMO_TOOLS[name] for name in ("get_weather", "calculator", "read_file"))
 
 # (question, offered tools, expected tool, argument name, the value a copying model would pass, tool result)
 CASES = [

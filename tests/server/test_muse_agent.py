@@ -18,47 +18,9 @@ import pytest
 from json_schemas import gen_object
 from test_server import ServerProcess, metrics
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Get the current weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "description": "City name, e.g. Paris"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. (3 + 4) * 5"}},
-                "required": ["expression"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Read a text file and return its contents.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string", "description": "Path of the file"}},
-                "required": ["path"],
-            },
-        },
-    },
-]
+from musespark.apps.demo_tools import DEMO_TOOLS
+
+TOOLS = list(DEMO_TOOLS.values())  # get_weather, calculator, read_file
 DATE = {"current_date": "2026-12-01"}
 QUESTIONS = [
     "What's the weather like in Paris right now?",
