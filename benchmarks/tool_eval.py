@@ -172,7 +172,27 @@ def ask(client: Any, model: str, task: dict[str, Any], messages: list, max_token
     return msg.content, [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
 
 
+Response = tuple[str | None, list[tuple[str, str]]]  # (content, [(tool name, arguments JSON text), ...])
+
+
 def evaluate(client: Any, model: str, tasks: list[dict[str, Any]], max_tokens: int, show: int) -> dict[str, Any]:
+    """Ask the served model every task (and each tool task's follow-up), then score."""
+    first: dict[str, Response] = {}
+    followup: dict[str, str | None] = {}
+    for task in tasks:
+        first[task["id"]] = ask(client, model, task, task["messages"], max_tokens)
+        if task["kind"] == "tool":
+            followup[task["id"]] = ask(client, model, task, task["messages"] + task["followup"], max_tokens)[0]
+    return score_responses(tasks, first, followup, show)
+
+
+def score_responses(
+    tasks: list[dict[str, Any]], first: dict[str, Response], followup: dict[str, str | None], show: int = 3
+) -> dict[str, Any]:
+    """The rates for `tasks`, from each task's first response (`first[id]`) and, for a tool task,
+    the answer after the expected call and the tool's result were sent back (`followup[id]`).
+    Prints the first `show` failures of each kind. tools/finetune_muse.py scores the model it
+    exports with this too, on responses generated in-process."""
     hits: dict[str, list[bool]] = {k: [] for k in ("right_tool", "exact_arguments", "restate", "plain", "no_tool")}
     by_tool: dict[str, list[int]] = {}
     failures: dict[str, int] = {}
@@ -184,8 +204,8 @@ def evaluate(client: Any, model: str, tasks: list[dict[str, Any]], max_tokens: i
             print(f"  {kind} miss [{task['id']}] {user!r} -> {got!r}", flush=True)
 
     for task in tasks:
+        content, calls = first[task["id"]]
         if task["kind"] == "tool":
-            content, calls = ask(client, model, task, task["messages"], max_tokens)
             right, exact = score_call(task, calls)
             hits["right_tool"].append(right)
             hits["exact_arguments"].append(exact)
@@ -193,17 +213,15 @@ def evaluate(client: Any, model: str, tasks: list[dict[str, Any]], max_tokens: i
             by_tool[task["expected"]["name"]][1] += 1
             if not exact:
                 note("arguments", task, calls[:1] or content)
-            answer, _ = ask(client, model, task, task["messages"] + task["followup"], max_tokens)
+            answer = followup[task["id"]]
             hits["restate"].append(restates(task, answer))
             if not hits["restate"][-1]:
                 note("restate", task, answer)
         elif task["kind"] == "plain":
-            content, calls = ask(client, model, task, task["messages"], max_tokens)
             hits["plain"].append(plain_ok(content, calls))
             if not hits["plain"][-1]:
                 note("plain", task, calls[:1] or content)
         else:
-            content, calls = ask(client, model, task, task["messages"], max_tokens)
             hits["no_tool"].append(refuses(content, calls))
             if not hits["no_tool"][-1]:
                 note("no_tool", task, calls[:1] or content)

@@ -1,36 +1,52 @@
 """Teach the bundled tiny model the Muse chat protocol (docs/muse_chat.md §1-§3) and export it.
 
-    .venv/bin/python tools/finetune_muse.py --steps 900 --time-limit 45      # convert + fine-tune (+ export)
-    .venv/bin/python tools/finetune_muse.py --steps 1200 --resume --no-export # continue a run
-    .venv/bin/python tools/finetune_muse.py --export-only                     # re-export / re-evaluate
+    .venv/bin/python tools/finetune_muse.py --steps 4000 --time-limit 120 --no-export  # a new run
+    .venv/bin/python tools/finetune_muse.py --steps 4000 --resume --no-export           # continue it
+    .venv/bin/python tools/finetune_muse.py --export-only                               # export + evaluate
 
-Conversion: the base model (the bundled checkpoint as tools/train_tiny.py shipped it, vocab
-4096; copied to runs/muse/base on the first run) gets the four Muse markers as special added
-tokens `<|start|>`=4096, `<|message|>`=4097, `<|eom|>`=4098, `<|eot|>`=4099; `embed_tokens`
-and `lm_head` grow by four rows (the mean of the old rows + seeded noise). EOS = [1, 4099].
+A run is fixed by its first session (--resume takes these from the saved state):
+
+* `--init bundled` (default): start from the shipped chat checkpoint (src/musespark/models/
+  musespark-tiny, vocab 4100, the Muse markers already in its tokenizer), copied to
+  RUN/init when the run starts, so an export over src/ never changes what the run refers to.
+* `--init base`: the conversion that made the first chat model. The base model (the bundled
+  checkpoint as tools/train_tiny.py shipped it, vocab 4096; copied to RUN/base) gets the four
+  Muse markers as special added tokens `<|start|>`=4096, `<|message|>`=4097, `<|eom|>`=4098,
+  `<|eot|>`=4099; `embed_tokens` and `lm_head` grow by four rows (the mean of the old rows +
+  seeded noise). EOS = [1, 4099].
+* `--data copy` (default): conversations from tools/muse_copy_data.py, whose values can only be
+  copied (`--copy-mix F`: a share F of each step's conversations from muse_chat_data);
+  `--data chat`: tools/muse_chat_data.py's (`--data-version`), the first chat model's data.
 
 Fine-tuning (fp32, musespark's own model code with autograd, as train_tiny.py): every step
-packs `--chats` synthetic conversations from tools/muse_chat_data.py (rendered with the
-engine's own chat renderer and the bundled chat_template.jinja; loss only on the assistant's
-raw output after the final `<|start|>assistant`, through `<|eot|>`) and `--code-windows`
-256-token windows of the stdlib training split (full loss) into one varlen forward.
+packs `--chats` synthetic conversations (rendered with the engine's own chat renderer and the
+bundled chat_template.jinja; loss only on the assistant's raw output after the final
+`<|start|>assistant`, through `<|eot|>`) and `--code-windows` 256-token windows of the stdlib
+training split (full loss) into one varlen forward.
 loss = chat loss (mean over target tokens) + code_weight * code loss (mean over tokens).
 AdamW, lr schedule, router-bias balancing and bits/byte come from tools/train_tiny.py.
-Data order is a pure function of (seed, step); state is saved to runs/muse/state.pt.
+Data order is a pure function of (seed, step); state (weights, optimizer, step, history, every
+session's args) is saved to RUN/state.pt every --save-every steps, at --time-limit, after
+--session-steps, and on SIGTERM/SIGINT (after the step under way), and --resume continues it
+exactly: the same losses as a run that was never stopped.
 
 Export writes src/musespark/models/musespark-tiny (bf16; residual gates, router weights and
 bias fp32), evaluates the shipped weights (stdlib bits/byte, expert load; greedy generation
-through musespark's engine on held-out tool tasks and conversations, parsed with
-MuseOutputParser) and rewrites the model card.
+through musespark's engine on muse_copy_data's held-out tasks, scored with
+benchmarks/tool_eval.py's functions, and on muse_chat_data's held-out tool tasks and
+conversations) and rewrites the model card with the recipe of every stage.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -43,9 +59,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import muse_chat_data as mcd  # noqa: E402
+import muse_copy_data as mcp  # noqa: E402
 import tiny_corpus as tc  # noqa: E402
+import tool_eval  # noqa: E402
 import train_tiny as tt  # noqa: E402
 
 from musespark.engine import chat as chat_render  # noqa: E402
@@ -63,6 +82,7 @@ BASE_FILES = (
     "generation_config.json",
     "README.md",
 )
+INIT_FILES = (*BASE_FILES, "chat_template.jinja")
 NEW_VOCAB = 4100
 EOT_ID = 4099
 EOS_IDS = (1, EOT_ID)
@@ -95,13 +115,51 @@ def base_dir(run: Path) -> Path:
     return base
 
 
-def chat_tokenizer(run: Path):
-    """The base tokenizer with the four Muse markers as special added tokens (ids 4096-4099)."""
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def init_dir(run: Path, fresh: bool = False) -> Path:
+    """The shipped chat checkpoint (vocab 4100, Muse markers included) that an `--init bundled`
+    run starts from, copied once from src/ into the run dir: an export that later overwrites
+    src/ does not change what --resume (and the card) refer to. `fresh`: a new run, whose
+    start must be the checkpoint src/ ships now (a stale copy is refused, not reused)."""
+    init = run / "init"
+    if (init / "model.safetensors").exists():
+        if fresh and _digest(init / "model.safetensors") != _digest(OUT / "model.safetensors"):
+            raise SystemExit(
+                f"{init} holds another checkpoint than {OUT}; a new run needs a new --run-dir "
+                "(or --resume to continue the run that copied it)"
+            )
+        return init
+    cfg = json.loads((OUT / "config.json").read_text())
+    if cfg["text_config"]["vocab_size"] != NEW_VOCAB:
+        raise SystemExit(f"{OUT} is not a chat checkpoint (vocab {cfg['text_config']['vocab_size']})")
+    tmp = run / "init.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in INIT_FILES:
+        shutil.copy2(OUT / f, tmp / f)
+    tmp.rename(init)  # whole or absent
+    return init
+
+
+def source_dir(run: Path, init: str) -> Path:
+    """The checkpoint a run of `init` ("base" or "bundled") starts from (its card included)."""
+    return init_dir(run) if init == "bundled" else base_dir(run)
+
+
+def chat_tokenizer(run: Path, init: str = "base"):
+    """The tokenizer with the four Muse markers as special added tokens (ids 4096-4099): the
+    base tokenizer grown by them, or (`bundled`) the shipped tokenizer that has them."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(base_dir(run) / "tokenizer.json"))
-    assert tok.get_vocab_size() == 4096
-    tok.add_special_tokens(mcd.MUSE_SPECIAL_TOKENS)
+    if init == "bundled":
+        tok = Tokenizer.from_file(str(init_dir(run) / "tokenizer.json"))
+    else:
+        tok = Tokenizer.from_file(str(base_dir(run) / "tokenizer.json"))
+        assert tok.get_vocab_size() == 4096
+        tok.add_special_tokens(mcd.MUSE_SPECIAL_TOKENS)
     ids = [tok.token_to_id(s) for s in mcd.MUSE_SPECIAL_TOKENS]
     assert ids == [4096, 4097, 4098, 4099], ids
     for i, s in enumerate(tc.SPECIAL_TOKENS):
@@ -113,6 +171,38 @@ def chat_config():
     return dataclasses.replace(tt.model_config(NEW_VOCAB, 0, 1), eos_token_id=EOS_IDS)
 
 
+def run_config(run: Path, init: str):
+    """The architecture trained and exported: train_tiny.py's (grown vocab) for `base`, the
+    shipped checkpoint's own config.json for `bundled` (less what only describes the file:
+    its dtype and the released form's extra keys, which the export writes anew)."""
+    from musespark.checkpoint.loader import load_config
+
+    if init != "bundled":
+        return chat_config()
+    return dataclasses.replace(load_config(init_dir(run)), checkpoint_dtype=None, extra={})
+
+
+def _trainable(cfg, state: dict[str, torch.Tensor]) -> MuseSparkForCausalLM:
+    """A fresh fp32 model (autograd on) holding `state`; only rotary tables are left to it."""
+    model = MuseSparkForCausalLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(m.endswith(("inv_freq",)) for m in missing), (missing, unexpected)
+    return model
+
+
+def bundled_model(run: Path) -> MuseSparkForCausalLM:
+    """The shipped checkpoint (bf16 on disk; fp32 residual gates and router) as an fp32 model:
+    each parameter equals its file tensor widened to fp32."""
+    from musespark import load_model
+
+    shipped = load_model(init_dir(run), dtype="float32", backend="torch")
+    return _trainable(run_config(run, "bundled"), shipped.state_dict())
+
+
+def initial_model(run: Path, init: str, seed: int) -> MuseSparkForCausalLM:
+    return bundled_model(run) if init == "bundled" else grown_model(run, seed)
+
+
 def grown_model(run: Path, seed: int) -> MuseSparkForCausalLM:
     """The base weights (fp32) in a model with vocab 4100: old rows copied, 4 new rows =
     mean of the old rows + N(0, (0.1 * per-dim std)^2), seeded."""
@@ -120,7 +210,6 @@ def grown_model(run: Path, seed: int) -> MuseSparkForCausalLM:
 
     base = load_model(base_dir(run), dtype="float32", backend="torch")
     state = base.state_dict()
-    model = MuseSparkForCausalLM(chat_config())
     gen = torch.Generator().manual_seed(seed + 4096)
     for name in ("embed_tokens.weight", "lm_head.weight"):
         old = state[name]
@@ -129,19 +218,16 @@ def grown_model(run: Path, seed: int) -> MuseSparkForCausalLM:
             extra, old.shape[1], generator=gen
         )
         state[name] = torch.cat([old, new], 0)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all(m.endswith(("inv_freq",)) for m in missing), (missing, unexpected)
-    return model
+    return _trainable(chat_config(), state)
 
 
 # -- data --------------------------------------------------------------------------------
 
 
-def code_streams(run: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def code_streams(run: Path, tok) -> tuple[torch.Tensor, torch.Tensor]:
     """The stdlib train/validation token streams of train_tiny.py (cached in the run dir)."""
     tp, vp = run / "train_ids.npy", run / "val_ids.npy"
     if not (tp.exists() and vp.exists()):
-        tok = chat_tokenizer(run)
         corpus = tc.load_corpus()
         np.save(tp, np.array(tc.encode_docs(tok, [t for _, t in corpus.train]), dtype=np.uint16))
         np.save(vp, np.array(tc.encode_docs(tok, [t for _, t in corpus.val]), dtype=np.uint16))
@@ -170,16 +256,49 @@ def encode_chat(conv: mcd.Conversation, tok, template: str) -> tuple[list[int], 
     return p + t, len(p)
 
 
+def n_old_chats(step: int, n: int, copy_mix: float) -> int:
+    """How many of step `step`'s n conversations come from muse_chat_data under --copy-mix F:
+    floor(F*n*(step+1)) - floor(F*n*step), so that every k steps hold F*n*k of them (±1)."""
+    return int(copy_mix * n * (step + 1) + 1e-9) - int(copy_mix * n * step + 1e-9)
+
+
 def chat_batch(
-    seed: int, step: int, n: int, tok, template: str, max_len: int, version: int = mcd.DATA_VERSION
+    seed: int,
+    step: int,
+    n: int,
+    tok,
+    template: str,
+    max_len: int,
+    version: int = mcd.DATA_VERSION,
+    data: str = "chat",
+    copy_mix: float = 0.0,
 ) -> list[tuple[list[int], int]]:
-    out, i = [], step * n * 2  # conversation indices [2n*step, 2n*(step+1)): spares for over-long ones
-    while len(out) < n:
-        ids, np_ = encode_chat(mcd.example(seed, i, version), tok, template)
-        i += 1
-        if len(ids) <= max_len + 1:
-            out.append((ids, np_))
+    """The n encoded conversations of `step`, a pure function of (seed, step): `chat` draws
+    tools/muse_chat_data.py's stream; `copy` draws tools/muse_copy_data.py's, except
+    `n_old_chats` of them from muse_chat_data's. Each stream's indices start at 2n*step (the
+    spares replace conversations longer than max_len + 1 tokens)."""
+    n_old = n if data == "chat" else n_old_chats(step, n, copy_mix)
+    out: list[tuple[list[int], int]] = []
+    for source, count in (("chat", n_old), ("copy", n - n_old)):
+        i, end = step * n * 2, len(out) + count
+        while len(out) < end:
+            conv = mcd.example(seed, i, version) if source == "chat" else mcp.example(seed, i)[0]
+            ids, np_ = encode_chat(conv, tok, template)
+            i += 1
+            if len(ids) <= max_len + 1:
+                out.append((ids, np_))
     return out
+
+
+def heldout_convs(data: str, n: int) -> list[mcd.Conversation]:
+    """Held-out conversations for the training log's held-out chat loss (seed EVAL_SEED + 1)."""
+    if data == "chat":
+        return mcd.heldout(EVAL_SEED + 1, n)
+    kinds = ("tool_call", "tool_result", "plain", "no_tool")
+    return [
+        mcp.heldout_example(EVAL_SEED + 1, i, kinds[i % 4], None if i % 4 == 2 else mcp.TOOL_NAMES[i % 3])[0]
+        for i in range(n)
+    ]
 
 
 COPY_WEIGHT = 1.0  # set by --copy-weight (train): the weight of output tokens copied from the prompt's tail
@@ -231,6 +350,7 @@ def packed_loss(model, chats: list[tuple[list[int], int]], code: torch.Tensor | 
 def chat_eval_loss(model, batch: list[tuple[list[int], int]]) -> float:
     was = model.training
     model.eval()
+    model.materialize_constants()  # eval mode reads cached residual-gate coefficients: the weights' own now
     loss, _ = packed_loss(model, batch, None)
     model.train(was)
     return float(loss)
@@ -251,13 +371,46 @@ def make_optimizer(model, lr: float, weight_decay: float):
     )
 
 
+# What a run is (where it starts, what it trains on) is fixed by its first session: --resume
+# takes these from the saved state. A state saved before the flags existed is base + chat.
+RUN_ARGS = {"init": ("bundled", "base"), "data": ("copy", "chat"), "copy_mix": (0.0, 0.0)}
+
+
+def resolve_run_args(args, saved: dict | None) -> None:
+    """Fill args.init/data/copy_mix: the defaults of a new run, or (`saved`: the state's args)
+    the resumed run's own; an explicit flag that contradicts the saved run is refused."""
+    for key, (new_default, old_default) in RUN_ARGS.items():
+        given = getattr(args, key)
+        if saved is None:
+            setattr(args, key, new_default if given is None else given)
+            continue
+        value = saved.get(key, old_default)
+        if given is not None and given != value:
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(f"{flag} {given} contradicts the run being resumed ({flag} {value})")
+        setattr(args, key, value)
+
+
+STOP = {"signal": None}  # set by SIGTERM / SIGINT: the loop saves and stops after the current step
+
+
+def _request_stop(signum: int, _frame) -> None:
+    STOP["signal"] = signum
+
+
 def train(args) -> None:
     global COPY_WEIGHT
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    tok = chat_tokenizer(run)
+    state_path = run / "state.pt"
+    st = torch.load(state_path, map_location="cpu", weights_only=False) if args.resume and state_path.exists() else None
+    resolve_run_args(args, st["args"] if st else None)
+    if args.init == "bundled":
+        init_dir(run, fresh=st is None)
+    print(f"init {args.init}, data {args.data}" + (f" (copy-mix {args.copy_mix})" if args.data == "copy" else ""))
+    tok = chat_tokenizer(run, args.init)
     template = TEMPLATE.read_text()
     COPY_WEIGHT = args.copy_weight
     # The framing every output repeats (headers, ATEM tags) is not an argument copy.
@@ -266,20 +419,19 @@ def train(args) -> None:
         '<atem:parameter name="x"></atem:parameter>\n</atem:invoke>\n</atem:function_calls> to=self'
     )
     _STRUCTURAL.update(tok.encode(framing, add_special_tokens=False).ids)
-    model = grown_model(run, args.seed)
+    model = initial_model(run, args.init, args.seed)
     opt = make_optimizer(model, args.lr, args.weight_decay)
-    state_path = run / "state.pt"
     step, history, sessions = 0, [], []
-    if args.resume and state_path.exists():
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
+    if st is not None:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         step, history, sessions = st["step"], st["history"], st["sessions"]
         print(f"resumed from step {step}", flush=True)
-    train_stream, val_stream = code_streams(run)
+        del st
+    train_stream, val_stream = code_streams(run, tok)
     blen = byte_lengths(tok)
     val_win = tt.eval_windows(val_stream, args.seq_len, args.val_windows)
-    eval_chats = [encode_chat(c, tok, template) for c in mcd.heldout(EVAL_SEED + 1, 16)]
+    eval_chats = [encode_chat(c, tok, template) for c in heldout_convs(args.data, 16)]
     sessions = sessions + [{"start_step": step, "args": vars(args)}]
     elapsed_before = history[-1]["elapsed"] if history else 0.0
     if step == 0:
@@ -294,14 +446,25 @@ def train(args) -> None:
     t_start = time.time()
     t_last, tok_since = time.time(), 0
     ema = None
+    STOP["signal"] = None
+    handlers = {s: signal.signal(s, _request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    first_step = step
     while step < args.steps:
+        if args.session_steps and step - first_step >= args.session_steps:
+            print(f"{args.session_steps} steps done this session; saving and stopping", flush=True)
+            break
         if args.time_limit and time.time() - t_start > 60 * args.time_limit:
             print(f"time limit of {args.time_limit} min reached at step {step}; saving and stopping", flush=True)
+            break
+        if STOP["signal"] is not None:
+            print(f"signal {STOP['signal']} at step {step}; saving and stopping", flush=True)
             break
         lr = tt.lr_at(step, args.steps, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        chats = chat_batch(args.seed, step, args.chats, tok, template, args.max_len, args.data_version)
+        chats = chat_batch(
+            args.seed, step, args.chats, tok, template, args.max_len, args.data_version, args.data, args.copy_mix
+        )
         code = (
             tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
         )
@@ -346,6 +509,8 @@ def train(args) -> None:
         if step % args.save_every == 0 or step == args.steps:
             tt.save_state(state_path, model, opt, step, history, args, sessions)
     tt.save_state(state_path, model, opt, step, history, args, sessions)
+    for s, h in handlers.items():
+        signal.signal(s, h)
     rec.remove()
     print(f"training done: {step} steps, this session {time.time() - t_start:.0f} s", flush=True)
 
@@ -406,10 +571,42 @@ def format_ok(c: mcd.Conversation, comp, parsed) -> bool:
     return not parsed.tool_calls and bool((parsed.content or "").strip())
 
 
-def evaluate_chat(out: Path, n_tool: int, n_conv: int, max_tokens: int) -> dict:
-    from musespark import LLM
+def chat_responses(llm, convs: list[tuple[list[dict], list[dict] | None, dict]], max_tokens: int) -> list:
+    """Greedy replies to every (messages, tools, chat_template_kwargs) in one batch, each
+    parsed as `LLM.chat` parses it (the server's Muse parsers): [(content, [(name, arguments
+    JSON text)])]. LLM.chat itself takes one tool list for all its conversations."""
+    from musespark import SamplingParams
+    from musespark.engine.llm import _parse_muse
 
-    llm = LLM(model=str(out), dtype="float32", seed=0)
+    proc = llm.engine.input_processor
+    prompts = [proc.render_chat(m, tools=t, chat_template_kwargs=k) for m, t, k in convs]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    replies = []
+    for (_, tools, _), o in zip(convs, outs):
+        _parse_muse([o], proc.tokenizer, tools)
+        parsed = o.outputs[0].parsed
+        replies.append((parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]))
+    return replies
+
+
+def evaluate_copy(llm, max_tokens: int, limit: int | None = None) -> dict:
+    """benchmarks/tool_eval.py's evaluation (its tasks: muse_copy_data.eval_tasks(EVAL_SEED),
+    values never in training; its scoring), run in-process: every first turn and every tool
+    task's follow-up (the expected call and the tool's result appended) in one greedy batch."""
+    tasks = tool_eval.limit_tasks(mcp.eval_tasks(EVAL_SEED), limit)
+    tool_tasks = [t for t in tasks if t["kind"] == "tool"]
+    convs = [(t["messages"], t["tools"], t["chat_template_kwargs"]) for t in tasks]
+    convs += [(t["messages"] + t["followup"], t["tools"], t["chat_template_kwargs"]) for t in tool_tasks]
+    t0 = time.time()
+    replies = chat_responses(llm, convs, max_tokens)
+    first = {t["id"]: r for t, r in zip(tasks, replies)}
+    followup = {t["id"]: r[0] for t, r in zip(tool_tasks, replies[len(tasks) :])}
+    result = tool_eval.score_responses(tasks, first, followup)
+    result["seconds"] = round(time.time() - t0, 1)
+    return result
+
+
+def evaluate_chat(llm, n_tool: int, n_conv: int, max_tokens: int) -> dict:
     t0 = time.time()
     tasks = mcd.tool_tasks(EVAL_SEED, n_tool)
     convs = mcd.heldout(EVAL_SEED, n_conv)
@@ -473,17 +670,18 @@ def evaluate_chat(out: Path, n_tool: int, n_conv: int, max_tokens: int) -> dict:
 
 
 def export(args) -> None:
-    from musespark import load_model
+    from musespark import LLM, load_model
     from musespark.checkpoint.writer import save_checkpoint
 
     torch.set_num_threads(args.threads)
     run, out = Path(args.run_dir), Path(args.out)
     st = torch.load(run / "state.pt", map_location="cpu", weights_only=False)
-    tok = chat_tokenizer(run)
-    cfg = chat_config()
+    init = st["sessions"][0]["args"].get("init", "base")
+    tok = chat_tokenizer(run, init)
+    cfg = run_config(run, init)
     model = MuseSparkForCausalLM(cfg)
     model.load_state_dict(st["model"])
-    base_readme = (base_dir(run) / "README.md").read_text()
+    base_readme = (source_dir(run, init) / "README.md").read_text()
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model.state_dict(), cfg, out, dtype=torch.bfloat16, nested=True)
     tok.save(str(out / "tokenizer.json"))
@@ -507,7 +705,7 @@ def export(args) -> None:
 
     shipped = load_model(out, dtype="float32")
     blen = byte_lengths(tok)
-    train_stream, val_stream = code_streams(run)
+    train_stream, val_stream = code_streams(run, tok)
     val_win = tt.eval_windows(val_stream, args.seq_len)
     rec = tt.LoadRecorder(shipped)
     t0 = time.time()
@@ -516,8 +714,11 @@ def export(args) -> None:
     rec.remove()
     print(f"val bits/byte {val_bpb:.4f} ({time.time() - t0:.0f} s)", flush=True)
     del shipped
-    chat = evaluate_chat(out, args.eval_tool_tasks, args.eval_conversations, args.eval_max_tokens)
+    llm = LLM(model=str(out), dtype="float32", seed=0)
+    chat = evaluate_chat(llm, args.eval_tool_tasks, args.eval_conversations, args.eval_max_tokens)
     print(json.dumps({k: v for k, v in chat.items() if k not in ("samples", "tool_failures")}, indent=1), flush=True)
+    copy = evaluate_copy(llm, args.eval_max_tokens, args.eval_copy_limit)
+    print(json.dumps(copy), flush=True)
     hist = st["history"]
     last = hist[-50:]
     results = {
@@ -532,9 +733,10 @@ def export(args) -> None:
         "code_loss_last50": sum(h["code_loss"] for h in last if h["code_loss"] is not None) / len(last),
         "wall_minutes": hist[-1]["elapsed"] / 60,
         "chat": chat,
+        "copy": copy,
     }
     (run / "results.json").write_text(json.dumps(results, indent=2))
-    write_card(out, args, st, results, base_readme, cfg)
+    write_card(out, args, st, results, base_readme, cfg, init)
 
 
 def _cpu_model() -> str:
@@ -559,28 +761,77 @@ def _section(md: str, title: str) -> str:
     return "\n".join(out).strip()
 
 
-def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg) -> None:
-    ch = r["chat"]
+# The training flags a session's command line records, in order; a flag its saved args lack
+# (a state older than the flag) is left out, except the run's --init and --data (RUN_ARGS'
+# values for such a state), which every new first command needs.
+CARD_FLAGS = ("init", "data", "copy_mix", "steps", "chats", "code_windows", "code_weight", "max_len", "lr")
+CARD_FLAGS += ("copy_weight", "warmup", "bias_rate", "seed", "threads", "data_version")
+
+
+def session_command(sa: dict, resume: bool) -> str:
+    """The command line that runs a session with these saved args (vars(args))."""
+    sa = {**{k: old for k, (_, old) in RUN_ARGS.items()}, **sa}
+    flags = [f"--{k.replace('_', '-')} {sa[k]}" for k in CARD_FLAGS if sa.get(k) is not None]
+    if sa.get("data") == "chat" or not sa.get("copy_mix"):
+        flags = [f for f in flags if not f.startswith("--copy-mix")]
+    if sa.get("time_limit"):
+        flags.append(f"--time-limit {sa['time_limit']:g}")
+    if sa.get("session_steps"):
+        flags.append(f"--session-steps {sa['session_steps']}")
+    return " ".join([".venv/bin/python tools/finetune_muse.py", *flags] + ["--resume"] * resume + ["--no-export"])
+
+
+def earlier_stages(card: str) -> str:
+    """The stages of the card of the checkpoint a `bundled` run starts from: its text from
+    `## Pre-training` up to `## Results`, with its fine-tuning commands completed with the
+    --init/--data its run used (a state without them: base + chat) and its export line left
+    out (this run exports this directory)."""
+    lines = card.split("\n")
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("## Pre-training"))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("## Results"))
+    out = []
+    for ln in lines[start:end]:
+        if "tools/finetune_muse.py --" in ln:
+            if "--export-only" in ln:
+                continue
+            if " --data " not in ln:
+                ln = ln.replace("finetune_muse.py --", "finetune_muse.py --init base --data chat --", 1)
+        out.append(ln)
+    return "\n".join(out).strip()
+
+
+def _before_bpb(card: str) -> float | None:
+    """The shipped bits/byte that a card records (None when it records none)."""
+    m = re.search(r"^\| validation bits/byte on held-out stdlib code.*?\| \*\*([0-9.]+)\*\*", card, re.M)
+    return float(m.group(1)) if m else None
+
+
+TARGETS = (  # (what, tool_eval key, the least share the model must reach, %)
+    ("right tool", "right_tool_pct", 95),
+    ("exact arguments", "exact_arguments_pct", 85),
+    ("answer restates the tool's result", "restate_pct", 75),
+    ("plain chat answered without a call", "plain_no_call_pct", 90),
+    ("no call and a refusal when the needed tool is not offered", "no_tool_refusal_pct", 80),
+)
+
+
+def _rate(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}%"
+
+
+def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg, init: str = "base") -> None:
+    """The model card: architecture, the recipe (every stage's commands, this run's sessions
+    included, its data and wall time), and the held-out scores of the exported weights."""
+    ch, cp = r["chat"], r["copy"]
     sessions = st["sessions"]
     total_params = sum(p.numel() for p in MuseSparkForCausalLM(cfg).parameters())
-
-    def command(sa: dict, resume: bool) -> str:
-        return (
-            f".venv/bin/python tools/finetune_muse.py --steps {sa['steps']} --chats {sa['chats']} "
-            f"--code-windows {sa['code_windows']} --lr {sa['lr']} --warmup {sa['warmup']} "
-            f"--bias-rate {sa['bias_rate']} --seed {sa['seed']} --threads {sa['threads']} "
-            f"--data-version {sa.get('data_version', 2)}"
-            + (f" --time-limit {sa['time_limit']:g}" if sa.get("time_limit") else "")
-            + (" --resume" if resume else "")
-            + " --no-export"
-        )
-
     ends = [x["start_step"] for x in sessions[1:]] + [st["step"]]
     cmd = "\n".join(
-        f"# steps {x['start_step']}-{e}\n" + command(x["args"], x["start_step"] > 0) for x, e in zip(sessions, ends)
+        f"# steps {x['start_step']}-{e}\n" + session_command(x["args"], x["start_step"] > 0)
+        for x, e in zip(sessions, ends)
     )
     cmd += "\n.venv/bin/python tools/finetune_muse.py --export-only   # writes this directory + this card"
-    a = sessions[-1]["args"]
+    a = {**{k: old for k, (_, old) in RUN_ARGS.items()}, **sessions[-1]["args"]}
     E = cfg.num_local_experts
     loads = r["expert_load"]
     load_rows = "\n".join(
@@ -610,13 +861,92 @@ def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg) -> None:
         or "- none"
     )
     kw = {k: round(100 * w) for k, w in mcd.KIND_WEIGHTS}
+    missed = [what for what, key, least in TARGETS if cp[key] is None or cp[key] < least]
     status = (
-        "**Status.** Right tool with valid arguments: {valid:.0f}% (the issue asks for at least 90%). "
-        "Exact arguments: {exact:.0f}%: the model has learned the wire format (reasoning to `self`, ATEM "
-        "calls to the right recipient, `<|eot|>`) and which tool a question needs, but it does not copy "
-        "argument values (cities, expressions, paths) from the question, nor quote a tool's result in "
-        "its answer. Teaching it to copy is the next step (more steps, `--copy-weight`, a longer run).\n\n"
-    ).format(valid=100 * ch["tool_valid"], exact=100 * ch["tool_exact"])
+        "**Status** on held-out tasks whose values never occur in training (below): "
+        + ", ".join(f"{what} {_rate(cp[key])} (target ≥ {least}%)" for what, key, least in TARGETS)
+        + (". Not met: " + ", ".join(missed) + "." if missed else ". Every target is met.")
+        + "\n\n"
+    )
+    copy_by_tool = ", ".join(f"`{k}` {pct(v)}" for k, v in cp["exact_arguments_by_tool"].items())
+    before_bpb = BASE_VAL_BPB if init == "base" else _before_bpb(base_md)
+    before = "" if before_bpb is None else f" (before fine-tuning: {before_bpb:.3f})"
+    if init == "bundled":
+        title = "Copy fine-tuning"
+        start = (
+            f"Starts from the bundled checkpoint the stages above made (vocab {cfg.vocab_size}, the Muse "
+            "markers already in its tokenizer), as it was when this run began (copied to the run directory)."
+        )
+    else:
+        title = "Chat fine-tuning"
+        start = (
+            "Conversion: the four markers were added to the tokenizer as special tokens; `embed_tokens` and\n"
+            "`lm_head` grew by four rows (old rows copied; new rows = mean of the old rows + seeded noise of 0.1 ×\n"
+            "the per-dimension std)."
+        )
+    if a["data"] == "copy":
+        data = (
+            "Data: seeded conversations from `tools/muse_copy_data.py` that can only be solved by copying:\n"
+            "made-up place names, random numbers and expressions, random paths of made-up words, and tool\n"
+            "results with random values (weather, the demo calculator's own result, lines of a file) that the\n"
+            "answer must restate; earlier turns with other values; a tool that is not offered → say so.\n"
+            f"Kinds: first-turn tool call ({kw['tool_call']}%), answer from a tool result ({kw['tool_result']}%),\n"
+            f"plain chat ({kw['plain']}%, a third of it copying a name or a phrase), a needed tool that is not\n"
+            f"offered ({kw['no_tool']}%). Rendered by musespark's own chat renderer (`musespark.engine.chat`)\n"
+            "with this `chat_template.jinja`; the assistant side is `tools/muse_chat_data.py`'s (reasoning\n"
+            f"sentence per tool and strength, one answer pattern per tool). A value whose words hash into\n"
+            f"{mcp.HOLD_OUT_PERCENT}% is held out: no held-out value occurs in training (tests/protocol/test_copy_data.py)."
+            + (
+                f" A share {a['copy_mix']} of each step's conversations comes from `tools/muse_chat_data.py`."
+                if a["copy_mix"]
+                else ""
+            )
+        )
+    else:
+        data = f"""Data: seeded synthetic conversations from `tools/muse_chat_data.py`
+(OpenAI `messages` + `tools`), rendered by musespark's own chat renderer (`musespark.engine.chat`,
+the path the server takes) with this `chat_template.jinja`, a varied fixed `current_date` and
+`reasoning_strength` low/medium/high. Tools: `get_weather(city, unit?)`, `calculator(expression)`,
+`read_file(path)`; each conversation offers a random subset in random order (sometimes none).
+Kinds: first-turn tool call ({kw["tool_call"]}%), answer from a tool result ({kw["tool_result"]}%), plain
+chat ({kw["plain"]}%), a needed tool that is not offered → say so ({kw["no_tool"]}%); 30% have earlier turns
+(plain or a whole tool round trip) and 20% a client system message. User phrasings vary; the
+assistant's reasoning is one fixed sentence per (tool, reasoning strength) naming the intent, and
+answers follow one pattern per tool that copies the tool result's values. {100 - mcd.HOLD_OUT_PERCENT}% of cities and file paths are used in
+training; the other {mcd.HOLD_OUT_PERCENT}% (by a hash of the value) are held out for evaluation."""
+    finetune = f"""## {title} (tools/finetune_muse.py)
+
+```
+{cmd}
+```
+
+{start}
+
+{data}
+
+Each step packs {a["chats"]} conversations (loss only on the assistant's output after the final
+`<|start|>assistant`, through `<|eot|>`) and {a["code_windows"]} stdlib training windows of
+{a["seq_len"]} tokens (full loss, weight {a["code_weight"]}) into one varlen forward: fp32,
+AdamW (β 0.9/0.95, weight decay {a["weight_decay"]} on matrices), peak lr {a["lr"]}, {a["warmup"]}
+warmup steps then cosine to 10%, grad clip {a["clip"]}, {st["step"]} steps, router-bias balancing
+as in pre-training (rate {a["bias_rate"]}). Data order is a pure function of (seed, step).
+Final losses (mean of the last 50 steps): chat {r["chat_loss_last50"]:.3f}, code {r["code_loss_last50"]:.3f} nats/token.
+
+Wall time: {r["wall_minutes"]:.1f} min in {len(sessions)} session(s) with {a["threads"]} torch thread(s) on a 2-core CPU shared with other work ({_cpu_model()}), ~{sum(tps) / max(1, len(tps)):.0f} tokens/s."""
+    if init == "bundled":
+        stages = earlier_stages(base_md) + "\n\n" + finetune
+    else:
+        stages = f"""## Pre-training (tools/train_tiny.py)
+
+### Corpus
+
+{_section(base_md, "Corpus")}
+
+### Training
+
+{_section(base_md, "Training")}
+
+{finetune}"""
     readme = (
         f"""# musespark-tiny
 
@@ -678,50 +1008,28 @@ completion prepend it yourself.
 Serve it with `--reasoning-parser muse --enable-auto-tool-choice --tool-call-parser muse` to get
 OpenAI `reasoning`, `content` and `tool_calls`.
 
-## Pre-training (tools/train_tiny.py)
-
-### Corpus
-
-{_section(base_md, "Corpus")}
-
-### Training
-
-{_section(base_md, "Training")}
-
-## Chat fine-tuning (tools/finetune_muse.py)
-
-```
-{cmd}
-```
-
-Conversion: the four markers were added to the tokenizer as special tokens; `embed_tokens` and
-`lm_head` grew by four rows (old rows copied; new rows = mean of the old rows + seeded noise of 0.1 ×
-the per-dimension std). Data: seeded synthetic conversations from `tools/muse_chat_data.py`
-(OpenAI `messages` + `tools`), rendered by musespark's own chat renderer (`musespark.engine.chat`,
-the path the server takes) with this `chat_template.jinja`, a varied fixed `current_date` and
-`reasoning_strength` low/medium/high. Tools: `get_weather(city, unit?)`, `calculator(expression)`,
-`read_file(path)`; each conversation offers a random subset in random order (sometimes none).
-Kinds: first-turn tool call ({kw["tool_call"]}%), answer from a tool result ({kw["tool_result"]}%), plain
-chat ({kw["plain"]}%), a needed tool that is not offered → say so ({kw["no_tool"]}%); 30% have earlier turns
-(plain or a whole tool round trip) and 20% a client system message. User phrasings vary; the
-assistant's reasoning is one fixed sentence per (tool, reasoning strength) naming the intent, and
-answers follow one pattern per tool that copies the tool result's values. {100 - mcd.HOLD_OUT_PERCENT}% of cities and file paths are used in
-training; the other {mcd.HOLD_OUT_PERCENT}% (by a hash of the value) are held out for evaluation.
-
-Each step packs {a["chats"]} conversations (loss only on the assistant's output after the final
-`<|start|>assistant`, through `<|eot|>`) and {a["code_windows"]} stdlib training windows of
-{a["seq_len"]} tokens (full loss, weight {a["code_weight"]}) into one varlen forward: fp32,
-AdamW (β 0.9/0.95, weight decay {a["weight_decay"]} on matrices), peak lr {a["lr"]}, {a["warmup"]}
-warmup steps then cosine to 10%, grad clip {a["clip"]}, {st["step"]} steps, router-bias balancing
-as in pre-training (rate {a["bias_rate"]}). Data order is a pure function of (seed, step).
-Final losses (mean of the last 50 steps): chat {r["chat_loss_last50"]:.3f}, code {r["code_loss_last50"]:.3f} nats/token.
-
-Wall time: {r["wall_minutes"]:.1f} min with {a["threads"]} torch thread(s) on a 2-core CPU shared with other work ({_cpu_model()}), ~{sum(tps) / max(1, len(tps)):.0f} tokens/s.
+{stages}
 
 ## Results
 
-{status}Measured on the shipped bfloat16 weights. Chat: greedy (temperature 0) generation through
-musespark's engine (`LLM(...).generate` on prompts from `InputProcessor.render_chat`, up to
+{status}Measured on the shipped bfloat16 weights, greedy (temperature 0), in-process through
+musespark's `LLM` (prompts rendered by `InputProcessor.render_chat`, the path the server takes).
+
+Copy tasks: `tools/muse_copy_data.py` `eval_tasks({EVAL_SEED})`, whose values never occur in training,
+scored by `benchmarks/tool_eval.py`'s functions (that script runs the same tasks through
+`musespark serve` and the `openai` client); replies parsed as `LLM.chat` parses them, up to
+{args.eval_max_tokens} tokens.
+
+| | |
+|---|---|
+| tool tasks ({cp["tool_tasks"]}): the first call names the right tool | **{_rate(cp["right_tool_pct"])}** |
+| tool tasks: its arguments, JSON-parsed, equal the expected (an expression may differ in whitespace) | **{_rate(cp["exact_arguments_pct"])}** |
+| exact arguments by tool | {copy_by_tool} |
+| the expected call and the tool's result sent back: the answer restates the result's key value | **{_rate(cp["restate_pct"])}** |
+| plain chat ({cp["plain_tasks"]}): an answer with no call | **{_rate(cp["plain_no_call_pct"])}** |
+| the needed tool not offered ({cp["no_tool_tasks"]}): no call, and the answer says it cannot | **{_rate(cp["no_tool_refusal_pct"])}** |
+
+Earlier chat tasks (`tools/muse_chat_data.py`): generation through musespark's engine (`LLM(...).generate` on prompts from `InputProcessor.render_chat`, up to
 {args.eval_max_tokens} tokens, `skip_special_tokens=False`), parsed with
 `MuseOutputParser(reasoning=True, tools=True, tool_names=tool_schemas_from_openai(tools))`, on
 held-out conversations (seed {EVAL_SEED}; training uses seed {a["seed"]}).
@@ -735,7 +1043,7 @@ held-out conversations (seed {EVAL_SEED}; training uses seed {a["seed"]}).
 | format ({ch["format_n"]} held-out conversations of every kind): non-empty reasoning, ends with `<|eot|>`, a tool call or a non-empty answer as the kind expects | **{100 * ch["format_all"]:.0f}%** |
 | format by kind | {", ".join(f"{k} {pct(v)}" for k, v in fb.items())} |
 | answer after a tool result contains the result's value | {pct(ch["final_answer_has_value"])} |
-| validation bits/byte on held-out stdlib code (before fine-tuning: {BASE_VAL_BPB:.3f}) | **{r["val_bits_per_byte"]:.3f}** ({r["val_nats_per_token"]:.3f} nats/token; {r["val_tokens_scored"]:,} tokens, {r["val_bytes_scored"]:,} bytes) |
+| validation bits/byte on held-out stdlib code{before} | **{r["val_bits_per_byte"]:.3f}** ({r["val_nats_per_token"]:.3f} nats/token; {r["val_tokens_scored"]:,} tokens, {r["val_bytes_scored"]:,} bytes) |
 
 Bits per byte as in train_tiny.py: total nats / ln 2 / total UTF-8 bytes, non-overlapping
 {a["seq_len"]}-token windows of the validation split.
@@ -770,14 +1078,34 @@ eos [1, {EOT_ID}].
     print(f"wrote {out / 'README.md'}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--init",
+        choices=("base", "bundled"),
+        default=None,
+        help="start from: base = the pre-chat checkpoint grown by the Muse markers (runs/muse/base); "
+        "bundled = the shipped chat checkpoint (default for a new run; --resume: the run's own)",
+    )
+    p.add_argument(
+        "--data",
+        choices=("copy", "chat"),
+        default=None,
+        help="conversations: copy = tools/muse_copy_data.py, chat = tools/muse_chat_data.py "
+        "(default for a new run: copy; --resume: the run's own)",
+    )
+    p.add_argument(
+        "--copy-mix",
+        type=float,
+        default=None,
+        help="with --data copy: the share of each step's conversations drawn from muse_chat_data (default 0)",
+    )
     p.add_argument("--steps", type=int, default=900)
     p.add_argument("--chats", type=int, default=3, help="conversations per step")
     p.add_argument("--code-windows", type=int, default=2, help="stdlib windows per step")
     p.add_argument("--code-weight", type=float, default=1.0)
     p.add_argument("--seq-len", type=int, default=256, help="code window length")
-    p.add_argument("--max-len", type=int, default=1024, help="longest conversation (tokens)")
+    p.add_argument("--max-len", type=int, default=1536, help="longest conversation (tokens); longer ones are skipped")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--copy-weight",
@@ -798,20 +1126,31 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--time-limit", type=float, default=0.0, help="minutes; stop early (and save) past it")
+    p.add_argument("--session-steps", type=int, default=0, help="stop (and save) after this many steps")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--val-windows", type=int, default=32)
-    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--save-every", type=int, default=25, help="steps between checkpoints (~1-2 min)")
     p.add_argument("--eval-tool-tasks", type=int, default=100)
     p.add_argument("--eval-conversations", type=int, default=100)
     p.add_argument("--eval-max-tokens", type=int, default=200)
+    p.add_argument(
+        "--eval-copy-limit", type=int, default=None, help="export: at most N held-out copy tool tasks (default all)"
+    )
     p.add_argument("--run-dir", default=str(ROOT / "runs" / "muse"))
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-export", action="store_true")
     p.add_argument("--export-only", action="store_true")
     p.add_argument("--files-only", action="store_true", help="export: write the files, skip evaluation and card")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.copy_mix is not None and not 0.0 <= args.copy_mix <= 1.0:
+        p.error("--copy-mix must be within [0, 1]")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if not args.export_only:
         train(args)
     if not args.no_export:

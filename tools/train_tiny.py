@@ -190,6 +190,7 @@ def bits_per_byte(model, windows: torch.Tensor, byte_len: torch.Tensor, batch: i
     (special tokens are scored but stand for 0 bytes)."""
     was_training = model.training
     model.eval()
+    model.materialize_constants()  # eval mode reads cached residual-gate coefficients: the weights' own now
     nats, nbytes, ntok = 0.0, 0, 0
     for i in range(0, windows.shape[0], batch):
         x = windows[i : i + batch]

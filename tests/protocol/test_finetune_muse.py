@@ -1,0 +1,171 @@
+"""tools/finetune_muse.py on the copy data from the shipped model: the start is the shipped
+weights exactly and stays what the run began from, the data order is a pure function of
+(seed, step), a run stopped and resumed matches one that never stopped, the recorded
+commands run the same sessions, and the export's copy evaluation scores what `LLM.chat`
+would answer."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+import finetune_muse as fm  # noqa: E402
+
+from musespark.checkpoint.names import to_relative  # noqa: E402
+from musespark.checkpoint.safetensors_file import SafetensorsFile  # noqa: E402
+
+
+@pytest.fixture()
+def shipped(tmp_path, monkeypatch) -> Path:
+    """A copy of the shipped checkpoint standing in for src/'s, so a test may overwrite it."""
+    out = tmp_path / "shipped"
+    shutil.copytree(fm.OUT, out)
+    monkeypatch.setattr(fm, "OUT", out)
+    return out
+
+
+def test_bundled_init_is_the_shipped_file_widened_to_fp32(tmp_path):
+    model = fm.bundled_model(tmp_path / "run")
+    state = model.state_dict()
+    seen = set()
+    with SafetensorsFile(fm.OUT / "model.safetensors") as st:
+        for disk_name in st.entries:
+            name = to_relative(disk_name)
+            if name is None:
+                continue
+            stored = st.read(disk_name, None)
+            assert state[name].dtype == torch.float32
+            assert torch.equal(state[name], stored.float()), name
+            seen.add(name)
+    assert {n for n, _ in model.named_parameters()} <= seen
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_the_start_is_copied_once_and_a_later_export_does_not_move_it(tmp_path, shipped):
+    run = tmp_path / "run"
+    init = fm.init_dir(run, fresh=True)
+    before = (init / "model.safetensors").read_bytes()
+    assert before == (shipped / "model.safetensors").read_bytes()
+    # an export overwrites the shipped weights: the run still starts (and resumes) from its copy
+    data = bytearray(before)
+    data[-1] ^= 1
+    (shipped / "model.safetensors").write_bytes(bytes(data))
+    assert (fm.init_dir(run) / "model.safetensors").read_bytes() == before
+    with pytest.raises(SystemExit, match="new --run-dir"):
+        fm.init_dir(run, fresh=True)  # a new run in this directory would not start from src/'s model
+    assert fm.chat_tokenizer(run, "bundled").token_to_id("<|eot|>") == fm.EOT_ID
+
+
+def test_run_args_come_from_the_saved_run_on_resume():
+    args = fm.parse_args([])
+    fm.resolve_run_args(args, None)
+    assert (args.init, args.data, args.copy_mix) == ("bundled", "copy", 0.0)
+    args = fm.parse_args(["--resume"])
+    fm.resolve_run_args(args, {"steps": 10})  # a state saved before --init/--data existed
+    assert (args.init, args.data) == ("base", "chat")
+    args = fm.parse_args(["--resume", "--copy-mix", "0.25"])
+    fm.resolve_run_args(args, {"init": "bundled", "data": "copy", "copy_mix": 0.25})
+    assert args.copy_mix == 0.25
+    with pytest.raises(SystemExit, match="--data copy contradicts"):
+        fm.resolve_run_args(fm.parse_args(["--resume", "--data", "copy"]), {"steps": 10})
+
+
+def test_copy_mix_shares_and_the_batch_is_a_pure_function_of_seed_and_step(tmp_path):
+    n, mix = 3, 0.3
+    olds = [fm.n_old_chats(s, n, mix) for s in range(20)]
+    assert all(0 <= k <= n for k in olds) and sum(olds) == int(mix * n * 20 + 1e-9)
+    tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
+    template = fm.TEMPLATE.read_text()
+    a = fm.chat_batch(5, 7, n, tok, template, 1024, data="copy", copy_mix=mix)
+    assert a == fm.chat_batch(5, 7, n, tok, template, 1024, data="copy", copy_mix=mix) and len(a) == n
+    assert a != fm.chat_batch(5, 8, n, tok, template, 1024, data="copy", copy_mix=mix)
+    copy_only = fm.chat_batch(5, 7, n, tok, template, 4000, data="copy")  # none too long: none skipped
+    first_copy = fm.encode_chat(fm.mcp.example(5, 7 * n * 2)[0], tok, template)
+    assert copy_only[0] == first_copy
+    chat = fm.chat_batch(5, 7, n, tok, template, 4000, data="chat")
+    assert chat[0] == fm.encode_chat(fm.mcd.example(5, 7 * n * 2), tok, template)
+
+
+def _train(run: Path, *extra: str) -> dict:
+    args = fm.parse_args(
+        [
+            "--run-dir",
+            str(run),
+            "--chats",
+            "1",
+            "--code-windows",
+            "1",
+            "--seq-len",
+            "32",
+            "--val-windows",
+            "2",
+            "--max-len",
+            "700",
+        ]
+        + ["--steps", "4", "--warmup", "2", "--log-every", "1", "--eval-every", "4", "--threads", "1", *extra]
+    )
+    fm.train(args)
+    return torch.load(run / "state.pt", map_location="cpu", weights_only=False)
+
+
+def test_a_resumed_run_matches_one_that_never_stopped(tmp_path, monkeypatch):
+    # a small token stream in place of the stdlib corpus (its encoding is not what this tests)
+    stream = torch.randint(5, 4096, (4000,), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(fm, "code_streams", lambda run, tok: (stream, stream.flip(0)))
+    whole = _train(tmp_path / "whole")
+    _train(tmp_path / "parts", "--session-steps", "2")
+    parts = _train(tmp_path / "parts", "--resume")
+
+    def logged(state):
+        return [{k: v for k, v in h.items() if k not in ("elapsed", "tok_s")} for h in state["history"]]
+
+    assert [h["step"] for h in parts["history"]] == [1, 2, 3, 4]
+    assert [s["start_step"] for s in parts["sessions"]] == [0, 2]
+    assert logged(parts) == logged(whole)  # losses, grad norms, lrs and evaluations, bit for bit
+    assert "val_bpb" in whole["history"][-1]
+    for name, tensor in whole["model"].items():
+        assert torch.equal(tensor, parts["model"][name]), name
+    assert fm.session_command(parts["sessions"][1]["args"], True).endswith("--resume --no-export")
+
+
+def test_recorded_commands_run_the_recorded_sessions():
+    args = fm.parse_args(["--copy-mix", "0.2", "--chats", "6", "--steps", "77", "--time-limit", "30"])
+    fm.resolve_run_args(args, None)
+    line = fm.session_command(vars(args), False)
+    again = fm.parse_args(line.split()[2:])
+    for key in fm.CARD_FLAGS + ("time_limit",):
+        assert getattr(again, key) == getattr(args, key), key
+    assert again.no_export and not again.resume
+    # the shipped card's commands predate --init/--data: carried into a new card they say base + chat
+    stages = fm.earlier_stages((fm.OUT / "README.md").read_text())
+    finetune = [ln for ln in stages.splitlines() if ln.startswith(".venv/bin/python tools/finetune_muse.py")]
+    assert finetune and all("--init base --data chat" in ln or "--data" in ln for ln in finetune)
+    assert not any("--export-only" in ln for ln in finetune)
+    assert stages.startswith("## Pre-training") and "## Results" not in stages
+
+
+def test_copy_evaluation_scores_what_llm_chat_answers():
+    from musespark import LLM, SamplingParams
+
+    llm = LLM(model=str(fm.OUT), dtype="float32", seed=0)
+    result = fm.evaluate_copy(llm, max_tokens=48, limit=1)
+    assert (result["tool_tasks"], result["plain_tasks"], result["no_tool_tasks"]) == (1, 1, 1)
+    task = fm.tool_eval.limit_tasks(fm.mcp.eval_tasks(fm.EVAL_SEED), 1)[0]
+    (reply,) = fm.chat_responses(llm, [(task["messages"], task["tools"], task["chat_template_kwargs"])], 48)
+    (out,) = llm.chat(
+        task["messages"],
+        SamplingParams(temperature=0.0, max_tokens=48),
+        tools=task["tools"],
+        chat_template_kwargs=task["chat_template_kwargs"],
+    )
+    parsed = out.outputs[0].parsed
+    assert reply == (parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls])
+    right, exact = fm.tool_eval.score_call(task, reply[1])
+    assert result["right_tool_pct"] == 100.0 * right and result["exact_arguments_pct"] == 100.0 * exact
