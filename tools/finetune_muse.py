@@ -396,6 +396,7 @@ STOP = {"signal": None}  # set by SIGTERM / SIGINT: the loop saves and stops aft
 
 def _request_stop(signum: int, _frame) -> None:
     STOP["signal"] = signum
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once, unsaved
 
 
 def train(args) -> None:
