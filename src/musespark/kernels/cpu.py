@@ -10,7 +10,8 @@ The sources, one folder per operation, each holding the op and its kernels per I
                    `linear_small_m` and `softcapped_logits`;
   csrc/attention/  paged decode attention (AVX2, AVX-512-BF16) and prompt attention
                    (AVX-512-BF16, AMX);
-  csrc/nvfp4/      NVFP4 weight-only rows (AVX2, AVX-512) and their tables, `nvfp4_linear`;
+  csrc/nvfp4/      NVFP4 weight-only rows (AVX2, AVX-512, AVX-512-BF16) and their tables,
+                   `nvfp4_linear`;
   csrc/norm/       the RMSNorm row helpers and `rms_norm`;
   csrc/blocks/     the fused decoder blocks and the one-call decode plan.
 Files compiled for AVX-512 or AMX say so by a `#pragma GCC target` after their plain-C++
@@ -83,7 +84,7 @@ def thresholds() -> dict[str, int]:
 def kernel_path() -> str:
     """The code path the loaded native kernels run: "amx_bf16" (the avx512_bf16 path with the
     panel product on AMX tiles, on CPUs with AMX-BF16 whose tiles passed `amx_check`),
-    "avx512_bf16" (vdpbf16ps products and the AVX-512 NVFP4 decode, on CPUs with
+    "avx512_bf16" (vdpbf16ps products, NVFP4 weights decoded to bf16 for them, on CPUs with
     AVX-512-BF16), "avx512" (bf16 weights widened to fp32 on 16 lanes and the AVX-512 NVFP4
     decode, on CPUs with AVX-512F/BW/VL/DQ but no bf16 hardware), "avx2" (AVX2+FMA, every
     other CPU), or "none" when they are unavailable."""

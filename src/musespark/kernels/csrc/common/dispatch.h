@@ -32,6 +32,9 @@ using Bf16Panels = void (*)(const uint16_t* x, int64_t M, int64_t K, const uint1
 using Nvfp4Rows = void (*)(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                            const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1,
                            float* y);
+using Nvfp4RowsBf16 = void (*)(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                               const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0,
+                               int64_t n1, float* y);
 // attention/attention_kernels.h states the contracts.
 using DecodeFits = bool (*)(int64_t D, int64_t H);
 using DecodeAttention = void (*)(const uint16_t* q, int64_t nh, int64_t G, int64_t D, const uint16_t* k,
@@ -59,6 +62,9 @@ struct Kernels {
   // `pairs` the AVX-512 order, 16 signed magnitudes per scale byte; else 8 magnitudes).
   Nvfp4Rows nvfp4_rows;
   bool nvfp4_pairs;
+  // NVFP4 rows times x holding bf16 values on bf16 hardware, x as bf16 bits (natural order)
+  // (null: nvfp4_rows takes them too).
+  Nvfp4RowsBf16 nvfp4_rows_bf16;
   // Decode attention over a bf16 cache with bf16 queries where decode_fits(D, H) (null: the
   // AVX2 kernel takes every sequence).
   DecodeFits decode_fits;

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "../common/dispatch.h"
@@ -26,23 +27,43 @@
 namespace musespark_gemv {
 namespace {
 
-// What the NVFP4 and widened jobs of one run_jobs call share: x permuted to the order their
-// kernel reads (nvfp4/nvfp4_tables.h permute_x; one copy per distinct x) and each NVFP4 job's
-// magnitude tables.
+// What the NVFP4 and widened jobs of one run_jobs call share: x in the form their kernel reads
+// (permuted, nvfp4/nvfp4_tables.h permute_x, or bf16 bits; one copy per distinct x and form)
+// and each NVFP4 job's magnitude tables.
 struct PermutedInputs {
   std::vector<std::vector<float>> x;
+  // x as bf16 bits, unpermuted, for the NVFP4 jobs on the dispatch table's nvfp4_rows_bf16
+  // (exact: their x holds bf16 values), one copy per distinct x.
+  std::vector<std::vector<uint16_t>> xb;
   std::vector<std::vector<const float*>> tables;  // per NVFP4 job: one table per global scale
   std::vector<std::vector<float>> spill;            // tables the process-wide cache had no room for
-  std::vector<int> which;                  // per job: its permuted x, or -1
+  std::vector<int> which;                  // per job: its x in `x` (or in `xb` for nvfp4_bf16), or -1
 };
+
+// An NVFP4 job that runs on the dispatch table's nvfp4_rows_bf16: x holds bf16 values and the
+// path has the kernel.
+inline bool nvfp4_bf16(const Job& b) {
+  return b.nvfp4() && b.x_bf16 && musespark_dispatch::kernels().nvfp4_rows_bf16 != nullptr;
+}
+
+std::vector<uint16_t> bf16_bits(const float* x, int64_t n) {
+  std::vector<uint16_t> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    out[i] = static_cast<uint16_t>(bits >> 16);  // exact: a bf16 value's low 16 bits are zero
+  }
+  return out;
+}
 
 PermutedInputs permuted_inputs(const std::vector<Job>& jobs) {
   PermutedInputs in;
   in.tables.resize(jobs.size());
   in.which.assign(jobs.size(), -1);
   const bool nvfp4_pairs = musespark_dispatch::kernels().nvfp4_pairs;
+  // Per copy made: the x it came from and its kind (0: fp32 unpaired, 1: fp32 pairs, 2: bf16).
   std::vector<const float*> seen;
-  std::vector<bool> seen_pairs;
+  std::vector<int> seen_kind;
   for (size_t j = 0; j < jobs.size(); ++j) {
     const Job& b = jobs[j];
     if (!(b.nvfp4() || b.widened()) || b.M == 0) continue;
@@ -51,24 +72,32 @@ PermutedInputs permuted_inputs(const std::vector<Job>& jobs) {
       in.spill.emplace_back();
       in.tables[j].push_back(musespark_nvfp4::table_for(b.globals[g], b.x_bf16, pairs, in.spill.back()));
     }
+    const int kind = nvfp4_bf16(b) ? 2 : pairs ? 1 : 0;
+    const size_t n = static_cast<size_t>(b.M * b.K);
     for (size_t i = 0; i < seen.size(); ++i)
-      if (seen[i] == b.x && seen_pairs[i] == pairs && in.x[i].size() == static_cast<size_t>(b.M * b.K))
+      if (seen[i] == b.x && seen_kind[i] == kind && (kind == 2 ? in.xb[i].size() : in.x[i].size()) == n)
         in.which[j] = static_cast<int>(i);
     if (in.which[j] >= 0) continue;
     in.which[j] = static_cast<int>(in.x.size());
     seen.push_back(b.x);
-    seen_pairs.push_back(pairs);
-    in.x.push_back(musespark_nvfp4::permute_x(b.x, b.M, b.K, pairs));
+    seen_kind.push_back(kind);
+    // One slot per copy in both lists, the unused one left empty.
+    in.x.push_back(kind == 2 ? std::vector<float>() : musespark_nvfp4::permute_x(b.x, b.M, b.K, pairs));
+    in.xb.push_back(kind == 2 ? bf16_bits(b.x, b.M * b.K) : std::vector<uint16_t>());
   }
   return in;
 }
 
 // Rows [n0, n1) of an NVFP4 job.
 inline void nvfp4_rows(const Job& b, const PermutedInputs& in, size_t j, int64_t n0, int64_t n1) {
-  const float* xp = in.x[in.which[j]].data();
   const auto* codes = static_cast<const uint8_t*>(b.w);
-  musespark_dispatch::kernels().nvfp4_rows(xp, b.M, b.K, codes, b.scales, in.tables[j].data(), b.N / b.G, b.ldy, n0,
-                                           n1, b.y);
+  if (nvfp4_bf16(b)) {
+    musespark_dispatch::kernels().nvfp4_rows_bf16(in.xb[in.which[j]].data(), b.M, b.K, codes, b.scales,
+                                                  in.tables[j].data(), b.N / b.G, b.ldy, n0, n1, b.y);
+    return;
+  }
+  musespark_dispatch::kernels().nvfp4_rows(in.x[in.which[j]].data(), b.M, b.K, codes, b.scales,
+                                           in.tables[j].data(), b.N / b.G, b.ldy, n0, n1, b.y);
 }
 
 // x as bf16 bits (exact: x_bf16 says every value is one), one copy per distinct x, in the

@@ -23,4 +23,11 @@ namespace musespark_avx512 {
 void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                 const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y);
 
+// AVX-512-BF16 (nvfp4/nvfp4_avx512_bf16.cpp), for x holding bf16 values (the tables then hold
+// bf16 values too): x as bf16 bits in the natural order, the tables of nvfp4_rows; per row one
+// 16-lane vdpbf16ps accumulator over the pairs of blocks in order.
+void nvfp4_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                     const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1,
+                     float* y);
+
 }  // namespace musespark_avx512

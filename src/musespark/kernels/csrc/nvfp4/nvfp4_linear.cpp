@@ -31,7 +31,9 @@
 // `vpermi2ps` over two 16-entry signed tables (|E2M1| * t and its negation, the same
 // values), x in that path's order (per 32 elements: even of block a, even of block b, odd
 // of a, odd of b; a final odd block: its 8 even then 8 odd). Same products, same weight
-// values, a different fixed summation order (16 lanes).
+// values, a different fixed summation order (16 lanes). Paths with bf16 hardware run
+// `musespark_avx512::nvfp4_rows_bf16` where x holds bf16 values: the same decoded weights and
+// x in that order as bf16, one vdpbf16ps per 32 products (nvfp4/nvfp4_avx512_bf16.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

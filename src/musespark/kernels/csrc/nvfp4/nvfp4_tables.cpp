@@ -101,12 +101,20 @@ const float* table_for(float g, bool round_bf16, bool pairs, std::vector<float>&
     magnitude_table<false>(g, t8.data());
   auto table = std::make_unique<std::vector<float>>();
   if (pairs) {
-    table->resize(256 * 16);
+    table->resize(256 * 16 + (round_bf16 ? 256 * 8 : 0));
     for (int64_t i = 0; i < 256; ++i)
       for (int64_t c = 0; c < 8; ++c) {
         (*table)[i * 16 + c] = t8[i * 8 + c];
         (*table)[i * 16 + 8 + c] = -t8[i * 8 + c];
       }
+    if (round_bf16) {  // the bf16 twin: the upper halves (exact, every value is a bf16 value)
+      auto* twin = reinterpret_cast<uint16_t*>(table->data() + 256 * 16);
+      for (int64_t i = 0; i < 256 * 16; ++i) {
+        uint32_t u;
+        std::memcpy(&u, &(*table)[i], sizeof u);
+        twin[i] = static_cast<uint16_t>(u >> 16);
+      }
+    }
   } else {
     *table = std::move(t8);
   }

@@ -16,9 +16,11 @@ std::vector<float> permute_x(const float* p, int64_t M, int64_t K, bool pairs);
 
 // The decoded magnitudes of every scale byte for one global scale g: |E2M1[c]| * e4m3(byte) *
 // g, bf16-rounded when `round_bf16` (x is bf16): 8 per byte (table[byte * 8 + c]) for the AVX2
-// rows, or with `pairs` 16 signed ones ([m, -m]) for the AVX-512 rows. A pure function of
+// rows, or with `pairs` 16 signed ones ([m, -m]) for the AVX-512 rows. A pairs table with
+// `round_bf16` holds after its 4096 floats the same 4096 values as bf16 bits (the AVX-512-BF16
+// rows' twin: uint16 [byte * 16 + c] from table + 4096). A pure function of
 // (g, rounding, layout), so tables are built once per process and kept (a weight's global
-// scale never changes; 8 or 16 KiB each, at most kMaxTables of them, after which new ones are
+// scale never changes; 8, 16 or 24 KiB each, at most kMaxTables of them, after which new ones are
 // built per call into `spill`).
 constexpr size_t kMaxTables = 8192;
 const float* table_for(float g, bool round_bf16, bool pairs, std::vector<float>& spill);
