@@ -20,12 +20,10 @@ namespace {
 // 64-byte load holds one k pair of 16 rows (the layout of gemm/gemm_kernels.h: a group's 16 pairs of
 // block b are 16 consecutive such loads). A tile of 6 x rows broadcasts each x pair and
 // multiplies it into the 4 blocks: 24 accumulators, no lane sums at the end, the packed
-// panel read from L1/L2 and reused by every tile of x. Tiles of several rows fetch each of
-// the 4 block streams kPanelAhead pairs ahead into L1 (T0; the NTA prefetch dropped at 41b532e cost
-// decode 5-15 % on Zen 4); a single row does not (there it made the stream 10 % slower). On
-// the Xeon measured, against the layout before a5c9dba without prefetch: 1 row 1.24x, 8 rows
-// 1.06-1.10x, prompt tiles the same (benchmarks/RESULTS.md, at baf1463; not measured on
-// Zen 4).
+// panel read from L1/L2 and reused by every tile of x. Calls of up to kLinearMaxRows rows
+// read each group block by block, one linear stream; larger ones pair by pair, fetching each
+// of the 4 block streams kPanelAhead pairs ahead into L1 (T0; the NTA prefetch dropped at
+// 41b532e cost decode 5-15 % on Zen 4).
 constexpr int kBlocks = kPanelRows / 16;
 constexpr int kPanelMR = 6;
 constexpr int64_t kPanelAhead = 8;
@@ -79,9 +77,18 @@ inline void pack_panel(const uint16_t* w, int64_t K, int64_t np, int64_t k0, int
     }
 }
 
+// Calls of at most this many x rows read each group of the panel as one linear stream
+// (panel_tile's `linear`): from memory, the 4 blocks' 1 KiB streams of every 4 KiB group are
+// too short for the prefetchers. Measured on Zen 4, one core, 8192 x 8192 packed: 1 row 8.8 ->
+// 28.7 GB/s, 8 rows 7.1 -> 16.7, 32 rows 63 -> 89 G multiply-adds/s; 256 rows from L2 are 23 %
+// slower that way (the x pairs are broadcast once per block instead of once).
+constexpr int64_t kLinearMaxRows = 64;
+
 // MR x rows against a packed chunk of kc k: acc[m][b] (16 outputs of block b) continues from
 // y (first chunk: from +0) over the pairs in order, stored back to y (exact: fp32 both).
-template <int MR>
+// `linear`: block by block through each group instead of pair by pair (the same sums in the
+// same order: each acc[m][b] still takes the pairs in turn).
+template <int MR, bool linear>
 inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, const uint32_t* pk, float* y,
                        int64_t ldy, const __mmask16* cols, bool first) {
   __m512 acc[MR][kBlocks];
@@ -97,6 +104,15 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
     const int64_t gp = whole ? kGroupPairs : pairs - g0, block = whole ? kGroupWords / kBlocks : 16 * gp;
     const uint32_t* row = pk + g0 * kPanelRows;
     const int32_t* xq = xp + g0;
+    if constexpr (linear) {
+      for (int b = 0; b < kBlocks; ++b)
+        for (int64_t r = 0; r < gp; ++r) {
+          const __m512bh wv = (__m512bh)_mm512_load_si512(row + b * block + 16 * r);
+          for (int m = 0; m < MR; ++m)
+            acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv, (__m512bh)_mm512_set1_epi32(xq[m * K2 + r]));
+        }
+      continue;
+    }
     for (int64_t r = 0; r < gp; ++r, row += 16, ++xq) {
       __m512bh wv[kBlocks];
       for (int b = 0; b < kBlocks; ++b) wv[b] = (__m512bh)_mm512_load_si512(row + b * block);
@@ -111,6 +127,19 @@ inline void panel_tile(const uint16_t* x, int64_t K, int64_t k0, int64_t kc, con
   }
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < kBlocks; ++b) _mm512_mask_storeu_ps(y + m * ldy + 16 * b, cols[b], acc[m][b]);
+}
+
+template <bool linear>
+inline void tile_of_height(int64_t h, const uint16_t* x, int64_t K, int64_t k0, int64_t kc, const uint32_t* pk,
+                           float* y, int64_t ldy, const __mmask16* cols, bool first) {
+  switch (h) {
+    case 6: panel_tile<6, linear>(x, K, k0, kc, pk, y, ldy, cols, first); break;
+    case 5: panel_tile<5, linear>(x, K, k0, kc, pk, y, ldy, cols, first); break;
+    case 4: panel_tile<4, linear>(x, K, k0, kc, pk, y, ldy, cols, first); break;
+    case 3: panel_tile<3, linear>(x, K, k0, kc, pk, y, ldy, cols, first); break;
+    case 2: panel_tile<2, linear>(x, K, k0, kc, pk, y, ldy, cols, first); break;
+    default: panel_tile<1, linear>(x, K, k0, kc, pk, y, ldy, cols, first); break;
+  }
 }
 
 }  // namespace
@@ -143,14 +172,10 @@ void bf16_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int
         const uint16_t* xt = x + m * K;
         float* yt = y + m * ldy + n;
         const bool first = k0 == 0;
-        switch (h) {
-          case 6: panel_tile<6>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
-          case 5: panel_tile<5>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
-          case 4: panel_tile<4>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
-          case 3: panel_tile<3>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
-          case 2: panel_tile<2>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
-          default: panel_tile<1>(xt, K, k0, kc, panel, yt, ldy, cols, first); break;
-        }
+        if (M <= kLinearMaxRows)
+          tile_of_height<true>(h, xt, K, k0, kc, panel, yt, ldy, cols, first);
+        else
+          tile_of_height<false>(h, xt, K, k0, kc, panel, yt, ldy, cols, first);
         m += h;
       }
     }
