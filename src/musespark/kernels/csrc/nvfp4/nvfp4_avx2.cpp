@@ -47,9 +47,9 @@ inline void rows_m1(const float* xp, int64_t K, const uint8_t* codes, const uint
   for (int64_t b = 0; b < nb; ++b) {
     const __m256 xe = _mm256_loadu_ps(xp + b * kBlock), xo = _mm256_loadu_ps(xp + b * kBlock + 8);
     for (int r = 0; r < R; ++r) {
-      if ((b & 7) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(c[r] + b * 8) + 1024, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(s[r] + b) + 256, _MM_HINT_T0);
+      if ((b & 7) == 0) {  // the same line of the next R rows (nvfp4/nvfp4.h: rows_ahead)
+        _mm_prefetch(reinterpret_cast<const char*>(c[r] + R * (K / 2) + b * 8), _MM_HINT_T0);
+        if ((b & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(s[r] + R * nb + b), _MM_HINT_T0);
       }
       __m256 w0, w1;
       decode_block(c[r] + b * 8, table[r] + s[r][b] * 8, w0, w1);

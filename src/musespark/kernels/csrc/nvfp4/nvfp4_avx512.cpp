@@ -71,10 +71,12 @@ inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint
     }
   };
   int64_t p = 0;
-  for (; p + 4 <= pairs; p += 4) {  // 4 pairs (one 64-byte line of codes per row) per prefetch
+  // 4 pairs (one 64-byte line of codes per row) per prefetch, of the same line of the next R
+  // rows (nvfp4/nvfp4.h: rows_ahead).
+  for (; p + 4 <= pairs; p += 4) {
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(c + r * cs + p * 16) + 1024, _MM_HINT_T0);
-      if ((p & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + r * ss + 2 * p) + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(c + (r + R) * cs + p * 16), _MM_HINT_T0);
+      if ((p & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + (r + R) * ss + 2 * p), _MM_HINT_T0);
     }
     step(p);
     step(p + 1);
