@@ -109,9 +109,7 @@ def test_blocked_decoding_has_the_bits_of_the_whole_fp32_decode(dtype, g):
     packed.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte value, in rows 0-2
     scale = random_scales(gen, (37, 12))
     per_row = torch.rand(37, 1, generator=gen) * g
-    # one global for the first 20 rows, another for the rest (a fused gate|up): a byte table each
-    per_half = torch.where(torch.arange(37).view(37, 1) < 20, g, 0.73 * g).float()
-    for global_scale in (torch.tensor(g), per_row, per_half):
+    for global_scale in (torch.tensor(g), per_row):
         expected = old_dequantize(packed, scale, global_scale).to(dtype)
         for rows in (1, 5, 64):  # blocks smaller than, not dividing, and larger than N
             got = dequantize_to(packed, scale, global_scale, dtype, block_elements=rows * 192)
@@ -159,17 +157,14 @@ def test_each_routed_expert_is_decoded_once_per_step_in_bounded_blocks(monkeypat
         return real(packed, scale, global_scale, dtype, out, block_elements)
 
     monkeypatch.setattr(nvfp4, "dequantize_to", counting)
+    real_block = nvfp4_decode._decode_block
 
-    def counted(real_block):  # either way of decoding a block (two steps, or the byte table)
-        def block(packed, *rest):
-            decoded_rows[packed.data_ptr()] = decoded_rows.get(packed.data_ptr(), 0) + packed.shape[0]
-            assert packed.shape[0] * packed.shape[1] * 2 <= max(nvfp4_decode.BLOCK_ELEMENTS, packed.shape[1] * 2)
-            return real_block(packed, *rest)
+    def block(packed, t, out, *rest):
+        decoded_rows[packed.data_ptr()] = decoded_rows.get(packed.data_ptr(), 0) + packed.shape[0]
+        assert packed.shape[0] * packed.shape[1] * 2 <= max(nvfp4_decode.BLOCK_ELEMENTS, packed.shape[1] * 2)
+        return real_block(packed, t, out, *rest)
 
-        return block
-
-    for name in ("_decode_block", "_decode_block_table"):
-        monkeypatch.setattr(nvfp4_decode, name, counted(getattr(nvfp4_decode, name)))
+    monkeypatch.setattr(nvfp4_decode, "_decode_block", block)
     monkeypatch.setattr(nvfp4_decode, "BLOCK_ELEMENTS", 64 * 8)  # 8 rows of gate_up per block
     T = 12
     weights, ids = routing(gen, T, 8, 2, unused={0, 5, 6})

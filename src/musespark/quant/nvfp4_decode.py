@@ -10,12 +10,6 @@ How one block of rows is decoded, with a handful of tensor ops into reused buffe
    and each fp32 product is rounded once to the output dtype.
 Every weight is the reference's fp32 product E2M1 * t rounded once, so the bits are the same.
 
-For a 2-byte dtype (bf16, fp16) and one global scale per run of rows, both steps come from one
-table instead (`byte_table`): entry (s << 8) | b holds, as one int32, the two weights of packed
-byte b under block-scale byte s, already rounded. A block is then an index (the code byte plus
-its scale byte times 256) and one gather written straight into the output: about a quarter of
-the memory traffic of the two steps.
-
 Memory: the temporaries hold one block (`BLOCK_ELEMENTS` weights, about 6 bytes each) and are
 kept per thread; the output is the weight in the compute dtype.
 """
@@ -48,47 +42,6 @@ _PAIRS = _pair_table()
 # float32 [256]: each e4m3 byte's value, by torch's exact conversion (looked up: converting
 # float8 tensors element by element is several times slower).
 _E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-
-
-# (global scale bits, dtype) -> its `byte_table`; a weight's global scales never change, so
-# the tables are kept (256 KiB each, at most TABLES_MAX, then built per call).
-_BYTE_TABLES: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-TABLES_MAX = 256
-# Weights whose global scale changes more often than this many times down the rows (a global
-# per row) keep the two steps: a table per run of rows would cost more than it saves.
-MAX_TABLE_RUNS = 8
-
-
-def byte_table(g: float, dtype: torch.dtype) -> torch.Tensor:
-    """int32 [65536] for the fp32 global scale g: entry (s << 8) | b holds the dtype pair
-    (round(E2M1[b & 15] * t_s), round(E2M1[b >> 4] * t_s)), low nibble in the low half, where
-    t_s = f32(e4m3(s)) * g and each product is the reference's fp32 product, rounded once."""
-    gf = torch.tensor(g, dtype=torch.float32)
-    key = (int(gf.view(torch.int32)), dtype)
-    table = _BYTE_TABLES.get(key)
-    if table is None:
-        with torch.inference_mode(False):
-            t = _E4M3 * gf  # [256]: the reference's t for every scale byte
-            values = _PAIRS.view(torch.float32).view(1, 256, 2) * t.view(256, 1, 1)
-            table = values.to(dtype).contiguous().view(torch.int32).view(65536)
-        if len(_BYTE_TABLES) < TABLES_MAX:
-            _BYTE_TABLES[key] = table
-    return table
-
-
-def _table_runs(global_scale: torch.Tensor, N: int) -> list[tuple[int, int, float]] | None:
-    """(first row, end row, g) for each run of rows sharing one global scale, or None when there
-    are more than MAX_TABLE_RUNS (or the scales do not name one per row)."""
-    gs = global_scale.float().reshape(-1)
-    if gs.numel() == 1:
-        return [(0, N, float(gs[0]))]
-    if gs.numel() != N:
-        return None
-    starts = [0] + ((gs[1:] != gs[:-1]).nonzero().flatten() + 1).tolist()
-    if len(starts) > MAX_TABLE_RUNS:
-        return None
-    ends = starts[1:] + [N]
-    return [(a, b, float(gs[a])) for a, b in zip(starts, ends)]
 
 
 def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -155,19 +108,6 @@ def _decode_block(packed: torch.Tensor, t: torch.Tensor, out: torch.Tensor, work
         out.view(n, -1, BLOCK).copy_(values.mul_(t.unsqueeze(-1)))
 
 
-def _decode_block_table(
-    packed: torch.Tensor, block_scale: torch.Tensor, table: torch.Tensor, out: torch.Tensor, work: _Workspace
-) -> None:
-    """packed uint8 [n, K/2], block_scale e4m3 [n, K/16] -> out [n, K] (2-byte dtype, contiguous
-    rows) through `byte_table`: index = code byte + 256 * its block's scale byte, then a gather."""
-    n, half = packed.shape
-    index = work.index[: n * half].view(n, half * 2 // BLOCK, BLOCK // 2)
-    scales = work.scale_index[: n * half * 2 // BLOCK].view(n, -1, 1)
-    scales.copy_(block_scale.view(torch.uint8).reshape(n, -1, 1))
-    torch.add(packed.reshape(n, -1, BLOCK // 2), scales, alpha=256, out=index)
-    torch.index_select(table, 0, index.view(-1), out=out.view(torch.int32).view(-1))
-
-
 def dequantize_to(
     packed: torch.Tensor,
     block_scale: torch.Tensor,
@@ -188,18 +128,10 @@ def dequantize_to(
         out = torch.empty(N, K, dtype=dtype, device=packed.device)
     if packed.device.type != "cpu":  # the table lives on the CPU; elsewhere the formula itself
         return out.copy_(dequantize(packed, block_scale, global_scale))
+    g = torch.broadcast_to(global_scale.float(), (N, K // BLOCK))  # a view: per row or shared
     limit = BLOCK_ELEMENTS if block_elements is None else block_elements
     rows = max(1, min(N, limit // max(K, 1)))
     work = _workspace(rows, half)
-    runs = _table_runs(global_scale, N) if dtype.itemsize == 2 and K > 0 else None
-    if runs is not None:
-        for first, end, g_run in runs:
-            table = byte_table(g_run, dtype)
-            for r in range(first, end, rows):
-                s = slice(r, min(r + rows, end))
-                _decode_block_table(packed[s], block_scale[s], table, out[s], work)
-        return out
-    g = torch.broadcast_to(global_scale.float(), (N, K // BLOCK))  # a view: per row or shared
     for r in range(0, N, rows):
         s = slice(r, min(r + rows, N))
         _decode_block(packed[s], _block_t(block_scale[s], g[s], work), out[s], work)
