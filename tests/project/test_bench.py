@@ -301,3 +301,35 @@ def test_compare_hf_avx2_only_runs_both_engines_capped(cache):
     assert machine["isa_limits"] == AVX2_ONLY_ENV and machine["kernel_path"] == "avx2"
     assert machine["torch_isa"] == "AVX2" and machine["torch_onednn_bf16"] is False
     assert positive(*out["results"][0]["metrics"]["decode_tok_s"]["ratios"])
+
+
+def test_isa_products_times_every_path_the_cpu_runs():
+    from musespark.cpu_features import ISA_LEVELS, detected_isa
+    from musespark.kernels import cpu
+
+    if cpu.native_ops() is None:
+        pytest.skip("needs the native CPU kernels (x86-64 Linux, AVX2+FMA)")
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/isa_products.py", "--n", "128", "--k", "256", "--rows", "1,3"]
+        + ["--repeats", "1", "--rounds", "1", "--threads", "1"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = [
+        p
+        for p in ("avx2", "avx512", "avx512_bf16", "amx_bf16")
+        if ISA_LEVELS.index(p) <= ISA_LEVELS.index(detected_isa())
+    ]
+    assert sorted(out["weight_gb_s"]) == sorted(runs)
+    for path in runs:
+        assert set(out["seconds"][path]) == {"1", "3"}
+        kinds = out["seconds"][path]["1"]
+        assert ("panels" in kinds) == (path in cpu.PANEL_PATHS)
+        assert positive(*kinds.values())
+    for key in ("machine", "versions", "commit", "command"):
+        assert key in out
