@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "../common/dispatch.h"
@@ -46,16 +45,6 @@ inline bool nvfp4_bf16(const Job& b) {
   return b.nvfp4() && b.x_bf16 && musespark_dispatch::kernels().nvfp4_rows_bf16 != nullptr;
 }
 
-std::vector<uint16_t> bf16_bits(const float* x, int64_t n) {
-  std::vector<uint16_t> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, x + i, sizeof bits);
-    out[i] = static_cast<uint16_t>(bits >> 16);  // exact: a bf16 value's low 16 bits are zero
-  }
-  return out;
-}
-
 PermutedInputs permuted_inputs(const std::vector<Job>& jobs) {
   PermutedInputs in;
   in.tables.resize(jobs.size());
@@ -83,7 +72,8 @@ PermutedInputs permuted_inputs(const std::vector<Job>& jobs) {
     seen_kind.push_back(kind);
     // One slot per copy in both lists, the unused one left empty.
     in.x.push_back(kind == 2 ? std::vector<float>() : musespark_nvfp4::permute_x(b.x, b.M, b.K, pairs));
-    in.xb.push_back(kind == 2 ? bf16_bits(b.x, b.M * b.K) : std::vector<uint16_t>());
+    in.xb.emplace_back(kind == 2 ? b.M * b.K : 0);
+    if (kind == 2) musespark_simd::to_bf16_bits(b.x, in.xb.back().data(), b.M * b.K);
   }
   return in;
 }
