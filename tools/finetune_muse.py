@@ -290,6 +290,29 @@ def chat_batch(
     return out
 
 
+INDUCTION_TOKENS = (5, 4096)  # ordinary vocabulary ids: the special tokens 0-4 and 4096-4099 left out
+
+
+def induction_batch(seed: int, step: int, n: int) -> list[tuple[list[int], int]]:
+    """The n copy spans of `step` (`--induction`), a pure function of (seed, step): each is
+    A + B + A with A 16-64 random ordinary tokens and B 0-32 more, scored only on the second A
+    after its first token (returned as (ids, n_prompt), as encode_chat's are). The bundled model
+    never learned to copy from its context: its loss on a repeated random span is the loss on the
+    first (ln 4091, no induction heads), and without them it cannot copy a value from the user's
+    message. Measured on the Zen 4 (2026-12-07): 600 steps of 16 spans alone, lr 1e-3, left that
+    loss at 8.29; with a fixed span length and no gap the loss falls within 400 steps, but
+    through a head that attends a fixed distance back, which copies nothing else."""
+    g = torch.Generator().manual_seed(1_000_003 * seed + step)
+    lo, hi = INDUCTION_TOKENS
+    out = []
+    for _ in range(n):
+        a, b = (int(v) for v in torch.randint(0, 1 << 16, (2,), generator=g))
+        span = torch.randint(lo, hi, (16 + a % 49,), generator=g).tolist()
+        gap = torch.randint(lo, hi, (b % 33,), generator=g).tolist()
+        out.append((span + gap + span, len(span) + len(gap) + 2))
+    return out
+
+
 def heldout_convs(data: str, n: int) -> list[mcd.Conversation]:
     """Held-out conversations for the training log's held-out chat loss (seed EVAL_SEED + 1)."""
     if data == "chat":
@@ -319,10 +342,16 @@ def _weights(ids: list[int], n_prompt: int) -> torch.Tensor:
     return w
 
 
-def packed_loss(model, chats: list[tuple[list[int], int]], code: torch.Tensor | None):
-    """One varlen forward over every sequence. Returns (chat loss, code loss or None)."""
+def packed_loss(
+    model,
+    chats: list[tuple[list[int], int]],
+    code: torch.Tensor | None,
+    spans: list[tuple[list[int], int]] | None = None,
+):
+    """One varlen forward over every sequence. Returns (chat loss, code loss or None) or, with
+    copy `spans` (induction_batch), (chat loss, code loss or None, span loss)."""
     inputs, targets, positions, lengths, is_code, weights = [], [], [], [], [], []
-    for ids, n_prompt in chats:
+    for ids, n_prompt in [*chats, *(spans or [])]:
         x = torch.tensor(ids)
         tgt = x[1:].clone()
         tgt[: n_prompt - 1] = -100  # loss only on the assistant's output tokens
@@ -338,12 +367,15 @@ def packed_loss(model, chats: list[tuple[list[int], int]], code: torch.Tensor | 
     hidden = model(torch.cat(inputs), torch.cat(positions), AttentionContext.for_prompts(lengths))
     logits = model.compute_logits(hidden)
     tgt, code_mask = torch.cat(targets), torch.cat(is_code)
+    n_chat = sum(len(ids) - 1 for ids, _ in chats)  # chat targets first, then the spans'
     chat_tgt, w = tgt[~code_mask], torch.cat(weights)
     ce = F.cross_entropy(logits[~code_mask], chat_tgt, ignore_index=-100, reduction="none")
     keep = chat_tgt != -100
-    chat_loss = (ce * w)[keep].sum() / w[keep].sum()
+    chat_loss = (ce[:n_chat] * w[:n_chat])[keep[:n_chat]].sum() / w[:n_chat][keep[:n_chat]].sum().clamp(min=1)
     code_loss = F.cross_entropy(logits[code_mask], tgt[code_mask]) if code is not None else None
-    return chat_loss, code_loss
+    if spans is None:
+        return chat_loss, code_loss
+    return chat_loss, code_loss, ce[n_chat:][keep[n_chat:]].mean()
 
 
 @torch.no_grad()
@@ -469,16 +501,21 @@ def train(args) -> None:
         code = (
             tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
         )
+        spans = induction_batch(args.seed, step, args.induction) if args.induction else None
         rec.reset()
-        chat_loss, code_loss = packed_loss(model, chats, code)
+        chat_loss, code_loss, *span_loss = packed_loss(model, chats, code, spans)
         loss = chat_loss + (args.code_weight * code_loss if code_loss is not None else 0.0)
+        if span_loss:
+            loss = loss + args.induction_weight * span_loss[0]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
         opt.step()
         tt.update_router_bias(model, rec, args.bias_rate)
         step += 1
-        tok_since += sum(len(c[0]) - 1 for c in chats) + (code.numel() - code.shape[0] if code is not None else 0)
+        tok_since += sum(len(c[0]) - 1 for c in [*chats, *(spans or [])]) + (
+            code.numel() - code.shape[0] if code is not None else 0
+        )
         cl = float(chat_loss.detach())
         ema = cl if ema is None else 0.95 * ema + 0.05 * cl
         now = time.time()
@@ -486,6 +523,7 @@ def train(args) -> None:
             "step": step,
             "chat_loss": cl,
             "code_loss": float(code_loss.detach()) if code_loss is not None else None,
+            "span_loss": float(span_loss[0].detach()) if span_loss else None,
             "lr": lr,
             "gnorm": gnorm,
             "elapsed": elapsed_before + now - t_start,
@@ -494,7 +532,10 @@ def train(args) -> None:
             tps = tok_since / max(1e-9, now - t_last)
             entry["tok_s"] = tps
             msg = (
-                f"step {step}: chat {cl:.3f} (ema {ema:.3f}) code {entry['code_loss']:.3f} lr {lr:.2e} "
+                f"step {step}: chat {cl:.3f} (ema {ema:.3f})"
+                + (f" code {entry['code_loss']:.3f}" if code_loss is not None else "")
+                + (f" span {entry['span_loss']:.3f}" if span_loss else "")
+                + f" lr {lr:.2e} "
                 f"{tps:.0f} tok/s {entry['elapsed'] / 60:.1f} min"
             )
             if step % args.eval_every == 0 or step == args.steps:
@@ -766,7 +807,7 @@ def _section(md: str, title: str) -> str:
 # (a state older than the flag) is left out, except the run's --init and --data (RUN_ARGS'
 # values for such a state), which every new first command needs.
 CARD_FLAGS = ("init", "data", "copy_mix", "steps", "chats", "code_windows", "code_weight", "max_len", "lr")
-CARD_FLAGS += ("copy_weight", "warmup", "bias_rate", "seed", "threads", "data_version")
+CARD_FLAGS += ("copy_weight", "induction", "induction_weight", "warmup", "bias_rate", "seed", "threads", "data_version")
 
 
 def session_command(sa: dict, resume: bool) -> str:
@@ -1105,6 +1146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chats", type=int, default=3, help="conversations per step")
     p.add_argument("--code-windows", type=int, default=2, help="stdlib windows per step")
     p.add_argument("--code-weight", type=float, default=1.0)
+    p.add_argument(
+        "--induction", type=int, default=0, help="copy spans per step (A + B + A of random tokens, scored on the 2nd A)"
+    )
+    p.add_argument("--induction-weight", type=float, default=1.0)
     p.add_argument("--seq-len", type=int, default=256, help="code window length")
     p.add_argument("--max-len", type=int, default=1536, help="longest conversation (tokens); longer ones are skipped")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -169,3 +169,26 @@ def test_copy_evaluation_scores_what_llm_chat_answers():
     assert reply == (parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls])
     right, exact = fm.tool_eval.score_call(task, reply[1])
     assert result["right_tool_pct"] == 100.0 * right and result["exact_arguments_pct"] == 100.0 * exact
+
+
+def test_induction_spans_repeat_a_random_run_and_score_only_its_second_copy():
+    a = fm.induction_batch(0, 3, 16)
+    assert a == fm.induction_batch(0, 3, 16) and a != fm.induction_batch(0, 4, 16)
+    lo, hi = fm.INDUCTION_TOKENS
+    for ids, n_prompt in a:
+        span = ids[n_prompt - 2 :]  # the scored targets are ids[n_prompt:], the copy's 2nd token on
+        assert 16 <= len(span) <= 64 and ids[: len(span)] == span
+        assert all(lo <= t < hi for t in ids)
+    assert len({len(ids) for ids, _ in a}) > 4  # lengths vary
+
+
+def test_span_loss_is_reported_apart_and_falls_when_the_model_copies(tmp_path):
+    model = fm.bundled_model(tmp_path / "run")
+    spans = fm.induction_batch(0, 0, 4)
+    chats = [([5, 6, 7, 8, 9], 3)]
+    chat_loss, code_loss, span_loss = fm.packed_loss(model, chats, None, spans)
+    assert code_loss is None
+    assert float(chat_loss) == pytest.approx(float(fm.packed_loss(model, chats, None)[0]), rel=1e-5)
+    # the bundled model does not copy: on the second copy it is as lost as on random tokens
+    # (ln 4100 = 8.3), where a model that copies would score near 0
+    assert 5.0 < float(span_loss) < 14.0
