@@ -13,8 +13,9 @@
 // 2^-126 read as zero, which no bf16 activation or decoded weight is in practice), a last odd
 // block through the same instruction with its upper half zero, then the 16 lanes summed.
 //
-// Products of several rows decode each weight tile once into L1 as bf16 and multiply it into
-// every x row in register tiles; every (m, n) keeps one accumulator in the same order, so its
+// Products of up to 4 rows of x decode each pair of blocks once in registers and multiply it
+// into every x row; more rows decode each weight tile once into L1 as bf16 and multiply it into
+// every x row in register tiles. Every (m, n) keeps one accumulator in the same order, so its
 // bits are the one-row path's whatever M.
 //
 // Compiled for AVX-512F/BW/VL/DQ + BF16 by the pragma below and reached only through the
@@ -64,27 +65,33 @@ inline __m512i decode_one16(const uint8_t* codes, const uint16_t* t) {
   return _mm512_maskz_mov_epi32(0x00FF, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(table)));
 }
 
-// y[n + r] for R rows from n with one row of x (bf16 bits).
+// y[m * ldy + n + r] for R weight rows from n and MR rows of x (bf16 bits, MR <= 4): each
+// pair of blocks decoded once in registers and multiplied into every x row; every (m, r) keeps
+// its own accumulator, added to in the order of the one-row product, so the bits do not depend
+// on MR.
 constexpr int kRows = 4;
+constexpr int kSmallM = 4;  // up to this many x rows: this product; more: the tiled one below
 
-template <int R>
-inline void rows_m1(const uint16_t* xr, int64_t K, const uint8_t* codes, const uint8_t* scales,
-                    const float* const* tables, int64_t rows_per_global, int64_t n, float* y) {
+template <int R, int MR>
+inline void rows_small_m(const uint16_t* xb, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                         const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n, float* y) {
   const int64_t nb = K / 16, pairs = nb / 2;
   const size_t cs = static_cast<size_t>(K / 2), ss = static_cast<size_t>(nb);
   const uint8_t* c = codes + n * cs;
   const uint8_t* s = scales + n * ss;
   const uint16_t* table[R];
   for (int r = 0; r < R; ++r) table[r] = bf16_twin(tables[(n + r) / rows_per_global]);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][MR];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   auto step = [&](int64_t p) {
-    const __m512bh xv = load_bh(xr + p * 32);
+    __m512bh xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = load_bh(xb + m * K + p * 32);
     for (int r = 0; r < R; ++r) {
       const uint8_t* sr = s + r * ss + 2 * p;
       const __m512i w = decode_pair16(c + r * cs + p * 16, table[r] + (static_cast<size_t>(sr[0]) << 4),
                                       table[r] + (static_cast<size_t>(sr[1]) << 4));
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)w, xv);
+      for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], (__m512bh)w, xv[m]);
     }
   };
   int64_t p = 0;
@@ -102,12 +109,26 @@ inline void rows_m1(const uint16_t* xr, int64_t K, const uint8_t* codes, const u
   }
   for (; p < pairs; ++p) step(p);
   for (int r = 0; r < R; ++r) {
-    if (nb % 2 != 0) {
-      const __m512i wt = decode_one16(c + r * cs + pairs * 16, table[r] + s[r * ss + 2 * pairs] * 16);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)wt, load_bh(xr + pairs * 32, 0xFFFFu));
+    const uint8_t* last = c + r * cs + pairs * 16;
+    const __m512bh wt = (__m512bh)(nb % 2 != 0 ? decode_one16(last, table[r] + s[r * ss + 2 * pairs] * 16)
+                                               : _mm512_setzero_si512());
+    for (int m = 0; m < MR; ++m) {
+      if (nb % 2 != 0) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wt, load_bh(xb + m * K + pairs * 32, 0xFFFFu));
+      y[m * ldy + n + r] = sum16(acc[r][m]);
     }
-    y[n + r] = sum16(acc[r]);
   }
+}
+
+template <int MR>
+inline void small_m(const uint16_t* xb, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                    const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1,
+                    float* y) {
+  // MR = 1: four weight rows at a time (four independent vdpbf16ps chains); more x rows bring
+  // chains of their own, and fewer weight rows keep the accumulators in registers
+  constexpr int R = MR == 1 ? kRows : MR == 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) rows_small_m<R, MR>(xb, K, codes, scales, tables, rows_per_global, ldy, n, y);
+  for (; n < n1; ++n) rows_small_m<1, MR>(xb, K, codes, scales, tables, rows_per_global, ldy, n, y);
 }
 
 // The M > 1 products: NR weight rows decoded kChunkPairs pairs of blocks at a time into the
@@ -160,6 +181,10 @@ inline void rows_tiled(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* 
       const uint8_t* s = scales + (n + r) * ss;
       for (int64_t p = 0; p < np; ++p) {
         const int64_t q = p0 + p;
+        // the same row's next chunk, a line of codes per 4 pairs (the rows of NR streams: the
+        // hardware prefetchers do not follow them)
+        if ((p & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(c + (q + kChunkPairs) * 16), _MM_HINT_T0);
+        if ((p & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + 2 * (q + kChunkPairs)), _MM_HINT_T0);
         _mm512_store_si512(w + (r * kChunkPairs + p) * 32,
                            decode_pair16(c + q * 16, table[r] + s[2 * q] * 16, table[r] + s[2 * q + 1] * 16));
       }
@@ -186,12 +211,14 @@ inline void rows_tiled(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* 
 void nvfp4_rows_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                      const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1,
                      float* y) {
-  int64_t n = n0;
-  if (M == 1) {  // four rows at a time: four independent vdpbf16ps chains
-    for (; n + kRows <= n1; n += kRows) rows_m1<kRows>(xb, K, codes, scales, tables, rows_per_global, n, y);
-    for (; n < n1; ++n) rows_m1<1>(xb, K, codes, scales, tables, rows_per_global, n, y);
-    return;
+  switch (M <= kSmallM ? M : 0) {
+    case 1: return small_m<1>(xb, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    case 2: return small_m<2>(xb, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    case 3: return small_m<3>(xb, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    case 4: return small_m<4>(xb, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    default: break;
   }
+  const int64_t n = n0;
   // The decoded chunk of kNR rows and the parked accumulators of up to kMaxRows x rows (fixed
   // sizes keep this file free of library containers); more rows of x are taken kMaxRows at a
   // time, and fewer where K is long, so that a block of x (bf16) stays within about 512 KiB of L2.
