@@ -16,7 +16,9 @@ import json
 import mmap
 import os
 import struct
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,28 @@ _DTYPES: dict[str, torch.dtype] = {
 _MAX_HEADER = 100 * 1024 * 1024
 _COPY_CHUNK_BYTES = 1 << 20  # a cast's bounce buffer
 _READ_CHUNK_BYTES = 64 << 20  # bytes per positioned read
+_PAGE = 4096
+
+# One helper thread that faults in the next slice of a tensor being read while the reader
+# copies the current one (`_fault_in`): the kernel zero-fills every fresh anonymous page before
+# a read may copy into it, and on the machines measured that zeroing took as long as the copy
+# (docs/cpu_816b.md): done on the other core, the two overlap.
+_faulter: ThreadPoolExecutor | None = None
+_faulter_lock = threading.Lock()
+
+
+def _fault_ahead(t: torch.Tensor) -> Future:
+    global _faulter
+    with _faulter_lock:
+        if _faulter is None:
+            _faulter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="musespark-fault-in")
+    return _faulter.submit(_fault_in, t)
+
+
+def _fault_in(t: torch.Tensor) -> None:
+    """Write a zero to every 4 KiB page of uint8 `t` (a slice about to be overwritten by a read),
+    so that the pages exist (zero-filled by the kernel) before the read copies into them."""
+    t[::_PAGE].fill_(0)
 
 
 @dataclass(frozen=True)
@@ -130,9 +154,18 @@ class SafetensorsFile:
             return out
         itemsize = _itemsize(e.dtype)
         if target == e.dtype:
-            dest = out.view(-1).view(torch.uint8).numpy()
+            flat = out.view(-1).view(torch.uint8)
+            dest = flat.numpy()
+            ahead: Future | None = None
             for at in range(0, nbytes, _READ_CHUNK_BYTES):
+                if ahead is not None:
+                    ahead.result()
+                ahead = None
+                if at + _READ_CHUNK_BYTES < nbytes:  # the next slice's pages, on the helper thread
+                    ahead = _fault_ahead(flat[at + _READ_CHUNK_BYTES : at + 2 * _READ_CHUNK_BYTES])
                 self._read_into(memoryview(dest[at : at + _READ_CHUNK_BYTES]), e.start + at)
+            if ahead is not None:
+                ahead.result()
             return out
         flat = out.view(-1)
         step = max(1, _COPY_CHUNK_BYTES // itemsize)

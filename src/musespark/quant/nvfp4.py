@@ -208,19 +208,24 @@ def scale_tensor_names(specs: dict[str, TensorSpec]) -> list[str]:
     return [n for n, s in specs.items() if s.dtype == SCALE or n.endswith(("weight_scale_2", "input_scale"))]
 
 
-# Bytes of e4m3 scales checked per step: the check reads the raw bytes in blocks, so it never
-# makes a wider (fp32) copy of a scale tensor (a real-width layer holds gigabytes of them).
-SCALE_CHECK_BLOCK = 1 << 24
+# Bytes of e4m3 scales checked per step: the check reads the raw bytes in blocks through one
+# reused buffer, so it never makes a wider (fp32) copy of a scale tensor (a real-width layer holds
+# gigabytes of them) nor a fresh temporary per block (each would be page-faulted in and zeroed).
+SCALE_CHECK_BLOCK = 1 << 22
 
 
 def e4m3_has_nan(t: torch.Tensor, block: int = SCALE_CHECK_BLOCK) -> bool:
     """Whether float8_e4m3fn tensor `t` holds a NaN, read from its raw bytes: e4m3fn has no
     infinity, and its only non-finite patterns are 0x7F and 0xFF (exponent and mantissa all
-    ones, either sign), so `byte & 0x7F == 0x7F` is exactly `not isfinite(float(t))`."""
+    ones, either sign), so `max(byte & 0x7F) == 0x7F` is exactly `not isfinite(float(t)).all()`.
+    Two passes over a cache-sized block (an AND into the buffer, its max): about 20 GB/s on two
+    cores, where masking, comparing and reducing into new tensors ran at 1.4 GB/s."""
     raw = t.reshape(-1).view(torch.uint8)  # a view: no copy of a contiguous tensor
+    buf = torch.empty(min(block, raw.numel()), dtype=torch.uint8)
     for start in range(0, raw.numel(), block):
         part = raw[start : start + block]
-        if bool(((part & 0x7F) == 0x7F).any()):
+        low = torch.bitwise_and(part, 0x7F, out=buf[: part.numel()])
+        if int(low.max()) == 0x7F:
             return True
     return False
 
