@@ -124,3 +124,25 @@ def test_a_refused_mapping_falls_back_to_torch_memory(monkeypatch: pytest.Monkey
     monkeypatch.setattr(hugepages.mmap, "mmap", refuse)
     t = hugepages.zeros((1024, 1024), torch.float32)
     assert t.shape == (1024, 1024) and not t.any()
+
+
+@pytest.mark.parametrize("chunk", [4096, 3 * 4096 + 17, 1 << 22])
+def test_a_tensor_read_in_many_slices_has_every_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Reads of several slices (the next slice's pages faulted in on the helper thread meanwhile)
+    give the file's bytes, whether the slices end on a page or not; a truncated file still fails."""
+    from safetensors.torch import save_file
+
+    from musespark.checkpoint import safetensors_file
+
+    monkeypatch.setattr(safetensors_file, "_READ_CHUNK_BYTES", chunk)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-(2**31), 2**31 - 1, (1000, 777), dtype=torch.int32, generator=gen)  # 3.0 MiB
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
+    with SafetensorsFile(tmp_path / "m.safetensors") as f:
+        assert torch.equal(f.read("w"), w)
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 5])
+    with pytest.raises(ValueError, match="truncated|ends at byte"):
+        SafetensorsFile(tmp_path / "cut.safetensors").read("w")
