@@ -15,15 +15,17 @@ namespace {
 using musespark_simd::hsum;
 
 // One block's 16 decoded weights: w0 = elements 0, 2, ..., 14 and w1 = 1, 3, ..., 15.
+// permutevar8x32 reads index bits 0-2 only: a nibble's magnitude bits as they are. The table's
+// entry c holds its magnitude XOR c << 28 (nvfp4_tables.h), so XORing the nibble shifted left
+// by 28 (its bits 0-2 onto 28-30, its sign bit 3 onto 31) gives the magnitude back with the
+// code's sign: two instructions where a mask of the sign bit took three.
 inline void decode_block(const uint8_t* codes, const float* mags_of_scale, __m256& w0, __m256& w1) {
   const __m256 mags = _mm256_loadu_ps(mags_of_scale);
-  const __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  const __m256i even_sign = _mm256_and_si256(_mm256_slli_epi32(raw, 28), sign);  // bit 3 -> bit 31
-  const __m256i odd_sign = _mm256_and_si256(_mm256_slli_epi32(raw, 24), sign);   // bit 7 -> bit 31
-  // permutevar8x32 reads index bits 0-2 only: the low nibble's magnitude bits as they are.
-  w0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, raw), _mm256_castsi256_ps(even_sign));
-  w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, _mm256_srli_epi32(raw, 4)), _mm256_castsi256_ps(odd_sign));
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i hi = _mm256_srli_epi32(lo, 4);  // bits 4-7 of a byte: the odd element's code
+  // lo << 28 keeps the low nibble only (bits 4-7 leave the 32-bit lane)
+  w0 = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, lo), _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
+  w1 = _mm256_xor_ps(_mm256_permutevar8x32_ps(mags, hi), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
 }
 
 // y[n + r] for R rows from n with one row of x: per row, two 8-lane accumulators over the

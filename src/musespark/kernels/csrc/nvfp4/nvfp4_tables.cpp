@@ -115,7 +115,14 @@ const float* table_for(float g, bool round_bf16, bool pairs, std::vector<float>&
         twin[i] = static_cast<uint16_t>(u >> 16);
       }
     }
-  } else {
+  } else {  // the AVX2 layout: entry c holds its magnitude's bits XOR c << 28 (nvfp4_tables.h)
+    for (int64_t i = 0; i < 256; ++i)
+      for (uint32_t c = 0; c < 8; ++c) {
+        uint32_t u;
+        std::memcpy(&u, &t8[i * 8 + c], sizeof u);
+        u ^= c << 28;
+        std::memcpy(&t8[i * 8 + c], &u, sizeof u);
+      }
     *table = std::move(t8);
   }
   std::lock_guard<std::mutex> hold(lock);

@@ -16,7 +16,9 @@ std::vector<float> permute_x(const float* p, int64_t M, int64_t K, bool pairs);
 
 // The decoded magnitudes of every scale byte for one global scale g: |E2M1[c]| * e4m3(byte) *
 // g, bf16-rounded when `round_bf16` (x is bf16): 8 per byte (table[byte * 8 + c]) for the AVX2
-// rows, or with `pairs` 16 signed ones ([m, -m]) for the AVX-512 rows. A pairs table with
+// rows, each stored with bits 28-30 XOR c (the AVX2 decode XORs a code shifted left by 28 onto
+// the entry it looks up: that restores the magnitude and sets the code's sign in one
+// instruction), or with `pairs` 16 signed ones ([m, -m]) for the AVX-512 rows. A pairs table with
 // `round_bf16` holds after its 4096 floats the same 4096 values as bf16 bits (the AVX-512-BF16
 // rows' twin: uint16 [byte * 16 + c] from table + 4096). A pure function of
 // (g, rounding, layout), so tables are built once per process and kept (a weight's global
