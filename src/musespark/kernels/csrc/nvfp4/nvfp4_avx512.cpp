@@ -42,13 +42,16 @@ inline __m512 decode_one(const uint8_t* codes, const float* table) {
   return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table));  // reads index bits 0-3
 }
 
-// y[n + r] for R rows from n with one row of x: per row, two 16-lane accumulators over the
-// pairs of blocks in order (an odd last block into the first), summed at the end.
+// y[m * ldy + n + r] for R weight rows from n and MR rows of x (MR <= 4): each pair of blocks
+// decoded once in registers and multiplied into every x row; per (m, r) two 16-lane
+// accumulators over the pairs of blocks in order (an odd last block into the first), summed
+// at the end: the same sums whatever MR.
 constexpr int kRows = 4;
+constexpr int kSmallM = 4;  // up to this many x rows: this product; more: the tiled one below
 
-template <int R>
-inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint8_t* scales, const float* const* tables,
-                    int64_t rows_per_global, int64_t n, float* y) {
+template <int R, int MR>
+inline void rows_small_m(const float* xp, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                         const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n, float* y) {
   const int64_t nb = K / 16, pairs = nb / 2;
   // Row r's codes, scale bytes and table; the pointers are few enough to stay in registers
   // (one table when the R rows share a global scale, as all but boundary rows do).
@@ -57,17 +60,24 @@ inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint
   const uint8_t* s = scales + n * ss;
   const float* table[R];
   for (int r = 0; r < R; ++r) table[r] = tables[(n + r) / rows_per_global];
-  __m512 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  __m512 acc0[R][MR], acc1[R][MR];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m) acc0[r][m] = acc1[r][m] = _mm512_setzero_ps();
   auto step = [&](int64_t p) {
-    const __m512 xe = _mm512_loadu_ps(xr + p * 32), xo = _mm512_loadu_ps(xr + p * 32 + 16);
+    __m512 xe[MR], xo[MR];
+    for (int m = 0; m < MR; ++m) {
+      xe[m] = _mm512_loadu_ps(xp + m * K + p * 32);
+      xo[m] = _mm512_loadu_ps(xp + m * K + p * 32 + 16);
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* sr = s + r * ss + 2 * p;
       __m512 w0, w1;
       decode_pair(c + r * cs + p * 16, table[r] + (static_cast<size_t>(sr[0]) << 4),
                   table[r] + (static_cast<size_t>(sr[1]) << 4), w0, w1);
-      acc0[r] = _mm512_fmadd_ps(w0, xe, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(w1, xo, acc1[r]);
+      for (int m = 0; m < MR; ++m) {
+        acc0[r][m] = _mm512_fmadd_ps(w0, xe[m], acc0[r][m]);
+        acc1[r][m] = _mm512_fmadd_ps(w1, xo[m], acc1[r][m]);
+      }
     }
   };
   int64_t p = 0;
@@ -85,19 +95,34 @@ inline void rows_m1(const float* xr, int64_t K, const uint8_t* codes, const uint
   }
   for (; p < pairs; ++p) step(p);
   for (int r = 0; r < R; ++r) {
-    if (nb % 2 != 0)
-      acc0[r] = _mm512_fmadd_ps(decode_one(c + r * cs + pairs * 16, table[r] + s[r * ss + 2 * pairs] * 16),
-                                _mm512_loadu_ps(xr + pairs * 32), acc0[r]);
-    y[n + r] = sum16(_mm512_add_ps(acc0[r], acc1[r]));
+    const __m512 wt = nb % 2 != 0 ? decode_one(c + r * cs + pairs * 16, table[r] + s[r * ss + 2 * pairs] * 16)
+                                  : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      if (nb % 2 != 0) acc0[r][m] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(xp + m * K + pairs * 32), acc0[r][m]);
+      y[m * ldy + n + r] = sum16(_mm512_add_ps(acc0[r][m], acc1[r][m]));
+    }
   }
 }
 
-// Rows of x against weight rows decoded once: the M > 1 products (a batch's rows that chose
-// the same expert, a prompt). NR weight rows at a time are decoded kChunkPairs pairs of blocks
+template <int MR>
+inline void small_m(const float* xp, int64_t K, const uint8_t* codes, const uint8_t* scales,
+                    const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1,
+                    float* y) {
+  // MR = 1: four weight rows at a time (eight independent FMA chains: one row's two chains
+  // alone wait on the FMA latency); more x rows bring chains of their own, and fewer weight
+  // rows keep the accumulators in registers
+  constexpr int R = MR <= 2 ? kRows : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) rows_small_m<R, MR>(xp, K, codes, scales, tables, rows_per_global, ldy, n, y);
+  for (; n < n1; ++n) rows_small_m<1, MR>(xp, K, codes, scales, tables, rows_per_global, ldy, n, y);
+}
+
+// Rows of x against weight rows decoded once: the M > 4 products (a prompt; a batch's rows
+// that chose the same expert). NR weight rows at a time are decoded kChunkPairs pairs of blocks
 // at a time into the thread's scratch (L1), and every x row is multiplied by them in register
 // tiles of NR weight rows by MR x rows, FMA-bound instead of decode-bound. Each (m, n) keeps
 // the M = 1 path's two accumulators, parked in `acc` between chunks, so its sums are those of
-// rows_m1 in the same order: the same bits whatever M.
+// rows_small_m in the same order: the same bits whatever M.
 constexpr int kNR = 4;
 constexpr int kMR = 3;
 constexpr int64_t kChunkPairs = 32;  // 1024 weights per row: NR rows of decoded fp32 = 16 KiB
@@ -184,13 +209,14 @@ inline void rows_tiled(const float* xp, int64_t M, int64_t K, const uint8_t* cod
 
 void nvfp4_rows(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* scales,
                 const float* const* tables, int64_t rows_per_global, int64_t ldy, int64_t n0, int64_t n1, float* y) {
-  int64_t n = n0;
-  if (M == 1) {  // four rows at a time: eight independent FMA chains (one row's two chains
-    //              alone wait on the FMA latency); each row's sums are the same as below
-    for (; n + kRows <= n1; n += kRows) rows_m1<kRows>(xp, K, codes, scales, tables, rows_per_global, n, y);
-    for (; n < n1; ++n) rows_m1<1>(xp, K, codes, scales, tables, rows_per_global, n, y);
-    return;
+  switch (M <= kSmallM ? M : 0) {  // each row's sums are the same in every product
+    case 1: return small_m<1>(xp, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    case 2: return small_m<2>(xp, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    case 3: return small_m<3>(xp, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    case 4: return small_m<4>(xp, K, codes, scales, tables, rows_per_global, ldy, n0, n1, y);
+    default: break;
   }
+  const int64_t n = n0;
   // The decoded chunk of kNR rows and the parked accumulators of up to kMaxRows x rows; fixed
   // sizes keep this file free of library containers. More rows of x are taken kMaxRows at a time.
   constexpr int64_t kMaxRows = 256;
