@@ -221,6 +221,102 @@ def grown_model(run: Path, seed: int) -> MuseSparkForCausalLM:
     return _trainable(chat_config(), state)
 
 
+@torch.no_grad()
+def set_previous_token_head(model: MuseSparkForCausalLM, layer: int = 0, kv_head: int = 0, channel: int = 0) -> None:
+    """Make the query heads that read KV head `kv_head` of `layer` (a RoPE layer) attend to the
+    previous position, whatever the tokens (the first half of set_copy_circuit).
+
+    A copy needs two heads in turn: one that writes each token's predecessor into its stream, and
+    an induction head that finds where the current token occurred before and reads what followed.
+    Neither helps the loss without the other, so training sits on a plateau. Measured on the Zen 4
+    (2026-12-07): a 2-layer model of this architecture with this head set by hand formed an
+    induction head in ~350 steps of 64 spans over 64 ids, without it not in 400; on the bundled
+    model, 280 steps of 48 spans over 128 ids with it set, and 1000 steps of spans without it,
+    left the span loss at the uniform one.
+
+    The head needs a query and a key that do not depend on the token: `channel` of every
+    embedding row is set to 3x the embeddings' RMS, and the q/k rows of those heads read only
+    that channel. q is then one fixed vector u per head and k = R(θ) u pair by pair (θ = the
+    layer's rotary frequencies), so q_m·k_n = Σ_i |u_i|² cos((n - m + 1) θ_i): largest at
+    n = m - 1. The QK-norm keeps |q| and |k| fixed, so the scores are as sharp as the
+    qk_scale_factor allows (measured: ~0.75 of the attention on the previous token)."""
+    cfg = model.config
+    theta = float(cfg.layer_rope_theta[layer])
+    if theta <= 0:
+        raise ValueError(f"layer {layer} is a NoPE layer: a previous-token head needs RoPE")
+    D = cfg.head_dim
+    per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+    emb = model.embed_tokens.weight
+    emb[:, channel] = 3.0 * emb.pow(2).mean().sqrt()
+    attn = model.layers[layer].self_attn
+    inv = theta ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+    u = torch.randn(D, generator=torch.Generator().manual_seed(4096 + layer))
+    u1, u2, c, s = u[: D // 2], u[D // 2 :], inv.cos(), inv.sin()
+    k = torch.cat([u1 * c - u2 * s, u1 * s + u2 * c])  # rotate-half layout: pair i is (i, i + D/2)
+    qw, kw = attn.q_proj.weight, attn.k_proj.weight
+    for h in range(kv_head * per_kv, (kv_head + 1) * per_kv):
+        qw[h * D : (h + 1) * D] = 0
+        qw[h * D : (h + 1) * D, channel] = u
+    kw[kv_head * D : (kv_head + 1) * D] = 0
+    kw[kv_head * D : (kv_head + 1) * D, channel] = k
+
+
+@torch.no_grad()
+def set_copy_circuit(model: MuseSparkForCausalLM, first_channel: int = 192) -> None:
+    """Wire a copy (induction) circuit into layers 0 and 1 (`--copy-circuit`); training then only
+    has to learn what the matched position's token should do to the logits.
+
+    Channels P = [first_channel, first_channel + head_dim) of the stream are reserved for "the
+    previous token": every embedding row is zeroed there, and layer 0's attention heads (other
+    than the previous-token head) and its dense MLP no longer write there. Layer 0's first KV group
+    becomes a previous-token head (set_previous_token_head); its first query head writes its value
+    (the previous token's layer-0 value vector, v_prev) into P, the second writes nothing, and
+    both output gates are made constant (weights 0: sigmoid 0.5). Every later op on the stream is
+    channel-wise (residual gates, norm gains) or reads all of it, so P holds v_prev alone up to
+    a per-position scale when layer 1 reads it.
+
+    Layer 1 (a NoPE full-attention layer) KV group 0 becomes the induction head: its key reads only
+    P (k = v_prev of the key's position), its query heads read the current token's channels
+    through layer 0's own value projection (q ≈ v_cur, corrected for the norm gains and the
+    residual gate between the two layers). q·k is then largest where the key's previous token is
+    the query's token: on the bundled weights ~0.8-1.0 of the attention lands on the token after
+    the earlier occurrence, on spans of 64 or 4091 distinct ids (2026-12-07, Zen 4). Measured
+    alongside: gradient descent alone (1000 steps of spans, with or without the previous-token
+    head set) did not find this circuit, because neither head lowers the loss without the other.
+
+    Wiping P and rewiring these heads costs the pre-trained model some of what it knew (the code
+    loss rises); the code windows mixed into fine-tuning win it back."""
+    cfg = model.config
+    D, H = cfg.head_dim, cfg.hidden_size
+    if not 0 < first_channel <= H - D:
+        raise ValueError(f"first_channel {first_channel}: P must fit in (0, {H}] and leave channel 0 free")
+    if cfg.is_sparse(0) or float(cfg.layer_rope_theta[1]) > 0:
+        raise ValueError("the copy circuit needs a dense layer 0 and a NoPE layer 1")
+    P = slice(first_channel, first_channel + D)
+    model.embed_tokens.weight[:, P] = 0
+    set_previous_token_head(model)  # channel 0: the constant the previous-token head reads
+    L0, L1 = model.layers[0], model.layers[1]
+    a0, a1 = L0.self_attn, L1.self_attn
+    per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+    a0.gate_proj.weight[: per_kv * D] = 0
+    wo = a0.o_proj.weight  # [H, heads * D]
+    wo[P, :] = 0
+    wo[:, : per_kv * D] = 0
+    wo[P, :D] = 4.0 * torch.eye(D)
+    L0.mlp.down_proj.weight[P, :] = 0
+    # The current token as layer 1's input norm sees it: layer 0's input (gain n0) scaled by the
+    # attention residual gate alpha, then layer 1's gain n1.
+    alpha, _ = L0.post_attention_residual_gate.coefficients()
+    n0, n1 = 1 + L0.input_layernorm.weight, 1 + L1.input_layernorm.weight
+    wq = a0.v_proj.weight[:D] * (n0 / (n1 * alpha))[None, :]
+    wq[:, P] = 0
+    wq[:, 0] = 0
+    for h in range(per_kv):
+        a1.q_proj.weight[h * D : (h + 1) * D] = wq
+    a1.k_proj.weight[:D] = 0
+    a1.k_proj.weight[:D, P] = torch.eye(D)
+
+
 # -- data --------------------------------------------------------------------------------
 
 
@@ -293,10 +389,21 @@ def chat_batch(
 INDUCTION_TOKENS = (5, 4096)  # ordinary vocabulary ids: the special tokens 0-4 and 4096-4099 left out
 
 
-def induction_batch(seed: int, step: int, n: int) -> list[tuple[list[int], int]]:
+def induction_pool(vocab: int = 0) -> torch.Tensor:
+    """The ordinary ids copy spans draw from: all of them, or (`vocab` > 0) a fixed seeded subset."""
+    lo, hi = INDUCTION_TOKENS
+    ids = torch.arange(lo, hi)
+    if vocab <= 0 or vocab >= len(ids):
+        return ids
+    return ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(77))[:vocab]].sort().values
+
+
+def induction_batch(seed: int, step: int, n: int, vocab: int = 0) -> list[tuple[list[int], int]]:
     """The n copy spans of `step` (`--induction`), a pure function of (seed, step): each is
     A + B + A with A 16-64 random ordinary tokens and B 0-32 more, scored only on the second A
-    after its first token (returned as (ids, n_prompt), as encode_chat's are). The bundled model
+    after its first token (returned as (ids, n_prompt), as encode_chat's are). `vocab` > 0 draws
+    the tokens from a fixed subset of that many ids (induction_pool): fewer distinct tokens, each
+    seen more often, form the head sooner. The bundled model
     never learned to copy from its context: its loss on a repeated random span is the loss on the
     first (ln 4091, no induction heads), and without them it cannot copy a value from the user's
     message. Measured on the Zen 4 (2026-12-07): 600 steps of 16 spans alone, lr 1e-3, left that
@@ -304,11 +411,12 @@ def induction_batch(seed: int, step: int, n: int) -> list[tuple[list[int], int]]
     through a head that attends a fixed distance back, which copies nothing else."""
     g = torch.Generator().manual_seed(1_000_003 * seed + step)
     lo, hi = INDUCTION_TOKENS
+    pool = induction_pool(vocab)
     out = []
     for _ in range(n):
         a, b = (int(v) for v in torch.randint(0, 1 << 16, (2,), generator=g))
-        span = torch.randint(lo, hi, (16 + a % 49,), generator=g).tolist()
-        gap = torch.randint(lo, hi, (b % 33,), generator=g).tolist()
+        span = pool[torch.randint(0, len(pool), (16 + a % 49,), generator=g)].tolist()
+        gap = pool[torch.randint(0, len(pool), (b % 33,), generator=g)].tolist()
         out.append((span + gap + span, len(span) + len(gap) + 2))
     return out
 
@@ -453,6 +561,8 @@ def train(args) -> None:
     )
     _STRUCTURAL.update(tok.encode(framing, add_special_tokens=False).ids)
     model = initial_model(run, args.init, args.seed)
+    if st is None and args.copy_circuit:
+        set_copy_circuit(model)
     opt = make_optimizer(model, args.lr, args.weight_decay)
     step, history, sessions = 0, [], []
     if st is not None:
@@ -501,7 +611,7 @@ def train(args) -> None:
         code = (
             tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
         )
-        spans = induction_batch(args.seed, step, args.induction) if args.induction else None
+        spans = induction_batch(args.seed, step, args.induction, args.induction_vocab) if args.induction else None
         rec.reset()
         chat_loss, code_loss, *span_loss = packed_loss(model, chats, code, spans)
         loss = chat_loss + (args.code_weight * code_loss if code_loss is not None else 0.0)
@@ -1150,6 +1260,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--induction", type=int, default=0, help="copy spans per step (A + B + A of random tokens, scored on the 2nd A)"
     )
     p.add_argument("--induction-weight", type=float, default=1.0)
+    p.add_argument("--induction-vocab", type=int, default=0, help="copy spans draw from this many ids (0: all)")
+    p.add_argument(
+        "--copy-circuit",
+        action="store_true",
+        help="a new run: wire a previous-token head (layer 0) and an induction head (layer 1) before step 0",
+    )
     p.add_argument("--seq-len", type=int, default=256, help="code window length")
     p.add_argument("--max-len", type=int, default=1536, help="longest conversation (tokens); longer ones are skipped")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -192,3 +192,70 @@ def test_span_loss_is_reported_apart_and_falls_when_the_model_copies(tmp_path):
     # the bundled model does not copy: on the second copy it is as lost as on random tokens
     # (ln 4100 = 8.3), where a model that copies would score near 0
     assert 5.0 < float(span_loss) < 14.0
+
+
+def test_induction_pool_is_a_fixed_subset_and_spans_draw_from_it():
+    pool = fm.induction_pool(64)
+    lo, hi = fm.INDUCTION_TOKENS
+    assert len(pool) == 64 == len(set(pool.tolist())) and torch.equal(pool, fm.induction_pool(64))
+    assert int(pool.min()) >= lo and int(pool.max()) < hi
+    assert torch.equal(fm.induction_pool(0), torch.arange(lo, hi))
+    allowed = set(pool.tolist())
+    assert all(set(ids) <= allowed for ids, _ in fm.induction_batch(0, 5, 8, vocab=64))
+
+
+def _layer_attention(model, layer: int, ids: list[int]) -> torch.Tensor:
+    """Attention probabilities [heads, T, T] of `layer` on one sequence, from the q and k the
+    backend computes (rebuilt here with the layer's own scale, causal mask and window)."""
+    from musespark.layers.attention import AttentionContext
+
+    seen = {}
+    backend = model._active_backend()
+    plain = backend.attention
+
+    def capture(attn, q, k, v, positions, ctx):
+        if attn.layer == layer:
+            seen["qk"] = (q.float(), k.float(), attn)
+        return plain(attn, q, k, v, positions, ctx)
+
+    backend.attention = capture
+    try:
+        x = torch.tensor(ids)
+        with torch.no_grad():
+            model(x, torch.arange(len(ids)), AttentionContext.for_prompts([len(ids)]))
+    finally:
+        backend.attention = plain
+    q, k, attn = seen["qk"]
+    T = len(ids)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    scores = torch.einsum("thd,shd->hts", q, k) * attn.scale
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    if attn.window:
+        mask &= ~torch.ones(T, T, dtype=torch.bool).tril(-attn.window)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+
+def test_the_copy_circuit_attends_to_the_token_after_the_earlier_occurrence(tmp_path):
+    g = torch.Generator().manual_seed(11)
+    span = torch.randint(5, 4096, (30,), generator=g).tolist()
+    ids = torch.randint(5, 4096, (7,), generator=g).tolist() + span + span
+    second = 7 + len(span)  # where the repeat starts
+
+    def masses(model):
+        prev = _layer_attention(model, 0, ids)
+        ind = _layer_attention(model, 1, ids)
+        prev_mass = prev[:2].diagonal(-1, 1, 2).mean()
+        ind_mass = torch.stack([ind[:2, second + i, 7 + i + 1] for i in range(len(span) - 1)], 1).mean()
+        return float(prev_mass), float(ind_mass)
+
+    model = fm.bundled_model(tmp_path / "run")
+    model.eval()
+    model.materialize_constants()
+    before = masses(model)
+    fm.set_copy_circuit(model)
+    model.materialize_constants()
+    after = masses(model)
+    assert before[0] < 0.2 and before[1] < 0.2  # the shipped model has neither head
+    assert after[0] > 0.6 and after[1] > 0.6
+    P = slice(192, 256)
+    assert float(model.embed_tokens.weight.detach()[:, P].abs().max()) == 0.0
