@@ -917,13 +917,18 @@ def _section(md: str, title: str) -> str:
 # (a state older than the flag) is left out, except the run's --init and --data (RUN_ARGS'
 # values for such a state), which every new first command needs.
 CARD_FLAGS = ("init", "data", "copy_mix", "steps", "chats", "code_windows", "code_weight", "max_len", "lr")
-CARD_FLAGS += ("copy_weight", "induction", "induction_weight", "warmup", "bias_rate", "seed", "threads", "data_version")
+CARD_FLAGS += ("copy_weight", "induction", "induction_weight", "induction_vocab", "copy_circuit", "warmup", "bias_rate")
+CARD_FLAGS += ("seed", "threads", "data_version")
 
 
 def session_command(sa: dict, resume: bool) -> str:
     """The command line that runs a session with these saved args (vars(args))."""
     sa = {**{k: old for k, (_, old) in RUN_ARGS.items()}, **sa}
-    flags = [f"--{k.replace('_', '-')} {sa[k]}" for k in CARD_FLAGS if sa.get(k) is not None]
+    flags = [
+        f"--{k.replace('_', '-')}" + ("" if isinstance(sa[k], bool) else f" {sa[k]}")
+        for k in CARD_FLAGS
+        if sa.get(k) is not None and sa[k] is not False
+    ]
     if sa.get("data") == "chat" or not sa.get("copy_mix"):
         flags = [f for f in flags if not f.startswith("--copy-mix")]
     if sa.get("time_limit"):

@@ -136,7 +136,8 @@ def test_a_resumed_run_matches_one_that_never_stopped(tmp_path, monkeypatch):
 
 
 def test_recorded_commands_run_the_recorded_sessions():
-    args = fm.parse_args(["--copy-mix", "0.2", "--chats", "6", "--steps", "77", "--time-limit", "30"])
+    argv = ["--copy-mix", "0.2", "--chats", "6", "--steps", "77", "--time-limit", "30", "--copy-circuit"]
+    args = fm.parse_args(argv + ["--induction", "8", "--induction-vocab", "64"])
     fm.resolve_run_args(args, None)
     line = fm.session_command(vars(args), False)
     again = fm.parse_args(line.split()[2:])
