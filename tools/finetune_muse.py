@@ -51,6 +51,7 @@ import dataclasses
 import hashlib
 import json
 import platform
+import random
 import re
 import shutil
 import signal
@@ -324,6 +325,49 @@ def set_copy_circuit(model: MuseSparkForCausalLM, first_channel: int = 192) -> N
     a1.k_proj.weight[:D, P] = torch.eye(D)
 
 
+def space_pairs(tok) -> list[tuple[int, int]]:
+    """(id of " X", id of "X") for every ordinary token X that also exists with one leading space."""
+    ids = {tok.decode([i], skip_special_tokens=False): i for i in range(INDUCTION_TOKENS[1])}
+    return [
+        (i, ids[p[1:]])
+        for p, i in ids.items()
+        if i >= INDUCTION_TOKENS[0] and p.startswith(" ") and p[1:].strip() and p[1:] in ids and not p[1].isspace()
+    ]
+
+
+@torch.no_grad()
+def tie_space_pairs(model: MuseSparkForCausalLM, tok, first_channel: int = 192) -> int:
+    """Make the copy circuit blind to a leading space (`--tie-space`): returns the pairs tied.
+
+    The byte-level BPE gives a word after a space its own token (" L" in "weather in Ljubljana")
+    and the same word after a quote or `>` another ("L" in `name="city">Ljubljana`). The induction
+    head matches the current token's layer-0 value against the previous token's (set_copy_circuit),
+    so after writing "L" it finds no earlier "L" to continue from, and an answer's " P" finds no
+    " P" in the tool's `"Porto"`. This moves the embeddings of each pair (" X", "X") so that their
+    component in the row space of layer 0's previous-token value projection (with its norm gain)
+    points the same way; the rest of each embedding, the reserved channels and channel 0 are left
+    as they are. QK-norm makes the match depend on direction only."""
+    cfg = model.config
+    D = cfg.head_dim
+    L0 = model.layers[0]
+    A = L0.self_attn.v_proj.weight[:D] * (1 + L0.input_layernorm.weight)[None, :]  # [D, H]
+    A[:, first_channel : first_channel + D] = 0
+    A[:, 0] = 0
+    basis, _ = torch.linalg.qr(A.T)  # [H, D], orthonormal
+    basis[first_channel : first_channel + D] = 0  # zero up to rounding already: make it exact
+    basis[0] = 0
+    pairs = space_pairs(tok)
+    a, b = (torch.tensor(x) for x in zip(*pairs))
+    emb = model.embed_tokens.weight
+    ea, eb = emb[a], emb[b]
+    ra, rb = ea.pow(2).mean(-1, keepdim=True).sqrt(), eb.pow(2).mean(-1, keepdim=True).sqrt()
+    pa, pb = ea @ basis, eb @ basis
+    mid = (pa / ra + pb / rb) / 2
+    emb[a] = ea + (mid * ra - pa) @ basis.T
+    emb[b] = eb + (mid * rb - pb) @ basis.T
+    return len(pairs)
+
+
 # -- data --------------------------------------------------------------------------------
 
 
@@ -444,17 +488,66 @@ COPY_TAIL = 64  # prompt tokens (the last user or tool message) whose copies are
 _STRUCTURAL: set[int] = set()  # tokens of the fixed framing, never counted as copies
 
 
+VALUE_WEIGHT = 1.0  # set by --value-weight (train): the weight of a tool call's argument values
+VALUE_MARKS: dict[str, int] = {}  # ids of the ATEM framing around a value, set from the tokenizer
+
+
+def set_value_marks(tok) -> None:
+    """Read the ids value_spans looks for: `parame`, `"`, `>` (`name="city">`) and `</`."""
+    enc = tok.encode('<atem:parameter name="city">x</atem:parameter>', add_special_tokens=False)
+    want = {"param": "parame", "quote": '"', "gt": ">", "close": "</"}
+    for key, piece in want.items():
+        if piece not in enc.tokens:
+            raise ValueError(f"the tokenizer splits the ATEM parameter tag unexpectedly: {enc.tokens}")
+        VALUE_MARKS[key] = enc.ids[enc.tokens.index(piece)]
+
+
+def value_spans(ids: list[int], n_prompt: int) -> list[tuple[int, int]]:
+    """Target indices [a, b) of each argument value the output writes: the value's tokens and the
+    `</` that closes it (target i predicts ids[i + 1]). Needs set_value_marks."""
+    m, out = VALUE_MARKS, []
+    for k in range(max(n_prompt, 10), len(ids) - 1):
+        if ids[k] == m["gt"] and ids[k - 1] == m["quote"] and m["param"] in ids[k - 10 : k]:
+            end = next((e for e in range(k + 1, len(ids)) if ids[e] == m["close"]), len(ids) - 1)
+            out.append((k, end))
+    return out
+
+
 def _weights(ids: list[int], n_prompt: int) -> torch.Tensor:
-    """Per target token: COPY_WEIGHT where the output repeats a token of the prompt's tail (an
-    argument value, a tool result), else 1 (the argument copy is what the model fails to learn)."""
+    """Per target token: VALUE_WEIGHT on a tool call's argument values (value_spans), COPY_WEIGHT
+    where the output repeats a token of the prompt's tail (a tool result), else 1 (the copy is
+    what the model fails to learn)."""
     w = torch.ones(len(ids) - 1)
+    if VALUE_WEIGHT != 1.0:
+        for a, b in value_spans(ids, n_prompt):
+            w[a:b] = VALUE_WEIGHT
     if COPY_WEIGHT == 1.0:
         return w
     tail = set(ids[max(0, n_prompt - COPY_TAIL) : n_prompt]) - _STRUCTURAL
     for i in range(n_prompt - 1, len(ids) - 1):
-        if ids[i + 1] in tail:
+        if ids[i + 1] in tail and w[i] == 1.0:
             w[i] = COPY_WEIGHT
     return w
+
+
+def value_batch(seed: int, step: int, n: int, tok, template: str) -> list[tuple[list[int], int, torch.Tensor]]:
+    """`--value-chats N`: n short tool-call examples of `step`, (ids, n_prompt, weights). Each is a
+    training tool_call conversation of muse_copy_data cut to BOS + its last user message onward
+    (the tool definitions dropped), weighted only on the argument values (VALUE_WEIGHT; the
+    reasoning and the call around them weigh 0, so the model never learns to call a tool that
+    is not offered). ~100 tokens instead of ~900: more values to locate per step."""
+    start, user = tok.token_to_id("<|start|>"), tok.token_to_id("user")
+    out = []
+    for j in range(n):
+        d = mcp.Drawer(random.Random(f"muse-copy-value:{seed}:{step}:{j}"), mcp.TRAIN)
+        ids, n_prompt = encode_chat(mcp.make(d, "tool_call"), tok, template)
+        u = max(i for i in range(n_prompt - 1) if ids[i] == start and ids[i + 1] == user)
+        short, np_ = [ids[0], *ids[u:]], n_prompt - u + 1
+        w = torch.zeros(len(short) - 1)
+        for a, b in value_spans(short, np_):
+            w[a:b] = VALUE_WEIGHT
+        out.append((short, np_, w))
+    return out
 
 
 def packed_loss(
@@ -466,13 +559,14 @@ def packed_loss(
     """One varlen forward over every sequence. Returns (chat loss, code loss or None) or, with
     copy `spans` (induction_batch), (chat loss, code loss or None, span loss)."""
     inputs, targets, positions, lengths, is_code, weights = [], [], [], [], [], []
-    for ids, n_prompt in [*chats, *(spans or [])]:
+    for item in [*chats, *(spans or [])]:
+        ids, n_prompt = item[0], item[1]
         x = torch.tensor(ids)
         tgt = x[1:].clone()
         tgt[: n_prompt - 1] = -100  # loss only on the assistant's output tokens
         inputs.append(x[:-1]), targets.append(tgt), lengths.append(len(ids) - 1)
         is_code.append(torch.zeros(len(ids) - 1, dtype=torch.bool))
-        weights.append(_weights(ids, n_prompt))
+        weights.append(item[2] if len(item) > 2 else _weights(ids, n_prompt))
     if code is not None:
         for row in code:
             inputs.append(row[:-1]), targets.append(row[1:]), lengths.append(row.numel() - 1)
@@ -482,7 +576,7 @@ def packed_loss(
     hidden = model(torch.cat(inputs), torch.cat(positions), AttentionContext.for_prompts(lengths))
     logits = model.compute_logits(hidden)
     tgt, code_mask = torch.cat(targets), torch.cat(is_code)
-    n_chat = sum(len(ids) - 1 for ids, _ in chats)  # chat targets first, then the spans'
+    n_chat = sum(len(c[0]) - 1 for c in chats)  # chat targets first, then the spans'
     chat_tgt, w = tgt[~code_mask], torch.cat(weights)
     ce = F.cross_entropy(logits[~code_mask], chat_tgt, ignore_index=-100, reduction="none")
     keep = chat_tgt != -100
@@ -547,7 +641,7 @@ def _request_stop(signum: int, _frame) -> None:
 
 
 def train(args) -> None:
-    global COPY_WEIGHT
+    global COPY_WEIGHT, VALUE_WEIGHT
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
@@ -560,7 +654,8 @@ def train(args) -> None:
     print(f"init {args.init}, data {args.data}" + (f" (copy-mix {args.copy_mix})" if args.data == "copy" else ""))
     tok = chat_tokenizer(run, args.init)
     template = TEMPLATE.read_text()
-    COPY_WEIGHT = args.copy_weight
+    COPY_WEIGHT, VALUE_WEIGHT = args.copy_weight, args.value_weight
+    set_value_marks(tok)
     # The framing every output repeats (headers, ATEM tags) is not an argument copy.
     framing = (
         '<|start|>assistant to=user<|message|><atem:function_calls>\n<atem:invoke name="x">\n'
@@ -578,6 +673,8 @@ def train(args) -> None:
         step, history, sessions = st["step"], st["history"], st["sessions"]
         print(f"resumed from step {step}", flush=True)
         del st
+    if args.tie_space:
+        print(f"tied {tie_space_pairs(model, tok)} space pairs", flush=True)
     train_stream, val_stream = code_streams(run, tok)
     blen = byte_lengths(tok)
     val_win = tt.eval_windows(val_stream, args.seq_len, args.val_windows)
@@ -615,6 +712,8 @@ def train(args) -> None:
         chats = chat_batch(
             args.seed, step, args.chats, tok, template, args.max_len, args.data_version, args.data, args.copy_mix
         )
+        if args.value_chats:
+            chats += value_batch(args.seed, step, args.value_chats, tok, template)
         code = (
             tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
         )
@@ -924,7 +1023,18 @@ def _section(md: str, title: str) -> str:
 # (a state older than the flag) is left out, except the run's --init and --data (RUN_ARGS'
 # values for such a state), which every new first command needs.
 CARD_FLAGS = ("init", "data", "copy_mix", "steps", "chats", "code_windows", "code_weight", "max_len", "lr")
-CARD_FLAGS += ("copy_weight", "induction", "induction_weight", "induction_vocab", "copy_circuit", "warmup", "bias_rate")
+CARD_FLAGS += (
+    "copy_weight",
+    "value_weight",
+    "value_chats",
+    "tie_space",
+    "induction",
+    "induction_weight",
+    "induction_vocab",
+    "copy_circuit",
+    "warmup",
+    "bias_rate",
+)
 CARD_FLAGS += ("seed", "threads", "data_version")
 
 
@@ -1286,6 +1396,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=1.0,
         help="loss weight of output tokens that repeat the prompt's last message (argument values)",
+    )
+    p.add_argument(
+        "--value-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of a tool call's argument values (and the short --value-chats examples)",
+    )
+    p.add_argument(
+        "--value-chats",
+        type=int,
+        default=0,
+        help="short tool-call examples per step (the last user message onward), scored on the values only",
+    )
+    p.add_argument(
+        "--tie-space",
+        action="store_true",
+        help="at the start of this session: tie ' X' and 'X' in the copy circuit's match (tie_space_pairs)",
     )
     p.add_argument(
         "--data-version",

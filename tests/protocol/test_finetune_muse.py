@@ -270,3 +270,57 @@ def test_the_copy_circuit_attends_to_the_token_after_the_earlier_occurrence(tmp_
     assert after[0] > 0.6 and after[1] > 0.6
     P = slice(192, 256)
     assert float(model.embed_tokens.weight.detach()[:, P].abs().max()) == 0.0
+
+
+def test_tied_space_pairs_let_the_copy_circuit_match_across_a_leading_space(tmp_path):
+    tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
+    pairs = fm.space_pairs(tok)
+    assert len(pairs) > 500
+    for a, b in pairs[:50]:
+        assert tok.decode([a]) == " " + tok.decode([b]) and tok.decode([b]).strip()
+    g = torch.Generator().manual_seed(5)
+    pick = [pairs[int(i)] for i in torch.randperm(len(pairs), generator=g)[:30]]
+    noise = torch.randint(5, 4096, (7,), generator=g).tolist()
+    ids = noise + [a for a, _ in pick] + [b for _, b in pick]  # " X1 X2 ..." then "X1X2..."
+    second = 7 + len(pick)
+
+    def induction_mass(model):
+        ind = _layer_attention(model, 1, ids)
+        return float(torch.stack([ind[:2, second + i, 7 + i + 1] for i in range(len(pick) - 1)], 1).mean())
+
+    model = fm.bundled_model(tmp_path / "run")
+    fm.set_copy_circuit(model)
+    model.eval()
+    model.materialize_constants()
+    untied = induction_mass(model)
+    emb_before = model.embed_tokens.weight.detach().clone()
+    assert fm.tie_space_pairs(model, tok) == len(pairs)
+    model.materialize_constants()
+    tied = induction_mass(model)
+    assert untied < 0.3 and tied > 0.6, (untied, tied)
+    emb = model.embed_tokens.weight.detach()
+    moved = (emb != emb_before).any(1).nonzero().flatten().tolist()
+    assert set(moved) <= {i for p in pairs for i in p}  # only the paired rows move
+    assert torch.equal(emb[:, 192:256], emb_before[:, 192:256]) and torch.equal(emb[:, 0], emb_before[:, 0])
+
+
+def test_value_spans_are_the_call_arguments_and_value_chats_weigh_only_them(tmp_path):
+    tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
+    template = fm.TEMPLATE.read_text()
+    fm.set_value_marks(tok)
+    for i, tool in enumerate(fm.mcp.TOOL_NAMES * 2):
+        conv = fm.mcp.heldout_example(3, i, "tool_call", tool)[0]
+        ids, n_prompt = fm.encode_chat(conv, tok, template)
+        got = [tok.decode(ids[a + 1 : b + 1]) for a, b in fm.value_spans(ids, n_prompt)]
+        want = [str(v) + "</" for v in conv.expected["arguments"].values()]
+        assert got == want
+    batch = fm.value_batch(0, 3, 4, tok, template)
+    again, other = fm.value_batch(0, 3, 4, tok, template), fm.value_batch(0, 4, 4, tok, template)
+    assert [b[:2] for b in batch] == [b[:2] for b in again] != [b[:2] for b in other]
+    assert all(torch.equal(x[2], y[2]) for x, y in zip(batch, again))
+    for ids, n_prompt, w in batch:
+        prompt = tok.decode(ids[:n_prompt], skip_special_tokens=False)
+        assert prompt.count("<|start|>") == 2 and "<|start|>user<|message|>" in prompt  # no tool definitions
+        spans = fm.value_spans(ids, n_prompt)
+        assert spans and all(float(w[a:b].min()) == fm.VALUE_WEIGHT for a, b in spans)
+        assert float(w.sum()) == fm.VALUE_WEIGHT * sum(b - a for a, b in spans)
