@@ -513,6 +513,42 @@ def value_spans(ids: list[int], n_prompt: int) -> list[tuple[int, int]]:
     return out
 
 
+def value_sources(ids: list[int], n_prompt: int, tok) -> list[tuple[int, int]]:
+    """(k, j) per argument value of the output that the last user message spells out: k the `>`
+    before the value (the position whose output is the value's first token), j the user-message
+    token where the value starts (the latest one whose text, a leading space dropped, begins
+    with the value). The targets of `--locate-weight`."""
+    start, user = tok.token_to_id("<|start|>"), tok.token_to_id("user")
+    u = max((i for i in range(n_prompt - 1) if ids[i] == start and ids[i + 1] == user), default=None)
+    if u is None:
+        return []
+    end = next((i for i in range(u + 2, n_prompt) if ids[i] in (EOT_ID, start)), n_prompt)
+    out = []
+    for k, close in value_spans(ids, n_prompt):
+        value = tok.decode(ids[k + 1 : close])
+        js = [j for j in range(u + 3, end) if value and tok.decode(ids[j:end]).lstrip(" ").startswith(value)]
+        if js:
+            out.append((k, js[-1]))
+    return out
+
+
+LOCATE = {"layer": 5, "head": 3}  # the head --locate-weight teaches to find the value
+
+
+def locate_loss(q: torch.Tensor, k: torch.Tensor, scale: float, starts: list[int], sources) -> torch.Tensor:
+    """Mean of -log p(j | k) over the sources: the LOCATE head's attention from each value's `>`
+    to where the user wrote it. q [T, heads, D] and k [T, kv heads, D] as the layer attends
+    (normed, rotated), over the packed sequences that begin at `starts`."""
+    h = LOCATE["head"]
+    kv = h // (q.shape[1] // k.shape[1])
+    terms = []
+    for s, pairs in zip(starts, sources):
+        for qi, kj in pairs:
+            scores = (k[s : s + qi + 1, kv] @ q[s + qi, h]) * scale  # causal: keys up to the query
+            terms.append(-torch.log_softmax(scores, 0)[kj])
+    return torch.stack(terms).mean() if terms else q.sum() * 0.0
+
+
 def _weights(ids: list[int], n_prompt: int) -> torch.Tensor:
     """Per target token: VALUE_WEIGHT on a tool call's argument values (value_spans), COPY_WEIGHT
     where the output repeats a token of the prompt's tail (a tool result), else 1 (the copy is
@@ -555,9 +591,11 @@ def packed_loss(
     chats: list[tuple[list[int], int]],
     code: torch.Tensor | None,
     spans: list[tuple[list[int], int]] | None = None,
+    sources: list[list[tuple[int, int]]] | None = None,
 ):
-    """One varlen forward over every sequence. Returns (chat loss, code loss or None) or, with
-    copy `spans` (induction_batch), (chat loss, code loss or None, span loss)."""
+    """One varlen forward over every sequence. Returns (chat loss, code loss or None), then the
+    span loss with copy `spans` (induction_batch), then the locate loss with `sources` (one list
+    of value_sources per chat)."""
     inputs, targets, positions, lengths, is_code, weights = [], [], [], [], [], []
     for item in [*chats, *(spans or [])]:
         ids, n_prompt = item[0], item[1]
@@ -573,7 +611,22 @@ def packed_loss(
             is_code.append(torch.ones(row.numel() - 1, dtype=torch.bool))
     for n in lengths:
         positions.append(torch.arange(n))
-    hidden = model(torch.cat(inputs), torch.cat(positions), AttentionContext.for_prompts(lengths))
+    seen: dict = {}
+    backend = model._active_backend()
+    plain = backend.attention
+
+    def capture(attn, q, k, v, pos, ctx):
+        if attn.layer == LOCATE["layer"]:
+            seen.update(q=q, k=k, scale=attn.scale)
+        return plain(attn, q, k, v, pos, ctx)
+
+    if sources is not None:
+        backend.attention = capture
+    try:
+        hidden = model(torch.cat(inputs), torch.cat(positions), AttentionContext.for_prompts(lengths))
+    finally:
+        if sources is not None:
+            backend.attention = plain
     logits = model.compute_logits(hidden)
     tgt, code_mask = torch.cat(targets), torch.cat(is_code)
     n_chat = sum(len(c[0]) - 1 for c in chats)  # chat targets first, then the spans'
@@ -582,9 +635,13 @@ def packed_loss(
     keep = chat_tgt != -100
     chat_loss = (ce[:n_chat] * w[:n_chat])[keep[:n_chat]].sum() / w[:n_chat][keep[:n_chat]].sum().clamp(min=1)
     code_loss = F.cross_entropy(logits[code_mask], tgt[code_mask]) if code is not None else None
-    if spans is None:
-        return chat_loss, code_loss
-    return chat_loss, code_loss, ce[n_chat:][keep[n_chat:]].mean()
+    out = [chat_loss, code_loss]
+    if spans is not None:
+        out.append(ce[n_chat:][keep[n_chat:]].mean())
+    if sources is not None:
+        starts = [sum(lengths[:i]) for i in range(len(chats))]
+        out.append(locate_loss(seen["q"], seen["k"], seen["scale"], starts, sources))
+    return tuple(out)
 
 
 @torch.no_grad()
@@ -719,10 +776,14 @@ def train(args) -> None:
         )
         spans = induction_batch(args.seed, step, args.induction, args.induction_vocab) if args.induction else None
         rec.reset()
-        chat_loss, code_loss, *span_loss = packed_loss(model, chats, code, spans)
+        sources = [value_sources(c[0], c[1], tok) for c in chats] if args.locate_weight else None
+        chat_loss, code_loss, *extra = packed_loss(model, chats, code, spans, sources)
+        span_loss = extra[:1] if spans else []
         loss = chat_loss + (args.code_weight * code_loss if code_loss is not None else 0.0)
         if span_loss:
             loss = loss + args.induction_weight * span_loss[0]
+        if sources is not None:
+            loss = loss + args.locate_weight * extra[-1]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
@@ -740,6 +801,7 @@ def train(args) -> None:
             "chat_loss": cl,
             "code_loss": float(code_loss.detach()) if code_loss is not None else None,
             "span_loss": float(span_loss[0].detach()) if span_loss else None,
+            "locate_loss": float(extra[-1].detach()) if sources is not None else None,
             "lr": lr,
             "gnorm": gnorm,
             "elapsed": elapsed_before + now - t_start,
@@ -751,6 +813,7 @@ def train(args) -> None:
                 f"step {step}: chat {cl:.3f} (ema {ema:.3f})"
                 + (f" code {entry['code_loss']:.3f}" if code_loss is not None else "")
                 + (f" span {entry['span_loss']:.3f}" if span_loss else "")
+                + (f" locate {entry['locate_loss']:.3f}" if sources is not None else "")
                 + f" lr {lr:.2e} "
                 f"{tps:.0f} tok/s {entry['elapsed'] / 60:.1f} min"
             )
@@ -1408,6 +1471,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="short tool-call examples per step (the last user message onward), scored on the values only",
+    )
+    p.add_argument(
+        "--locate-weight",
+        type=float,
+        default=0.0,
+        help="weight of the loss that teaches layer 5's last head to attend from a value's `>` to where the user wrote it",
     )
     p.add_argument(
         "--tie-space",

@@ -324,3 +324,43 @@ def test_value_spans_are_the_call_arguments_and_value_chats_weigh_only_them(tmp_
         spans = fm.value_spans(ids, n_prompt)
         assert spans and all(float(w[a:b].min()) == fm.VALUE_WEIGHT for a, b in spans)
         assert float(w.sum()) == fm.VALUE_WEIGHT * sum(b - a for a, b in spans)
+
+
+def test_value_sources_point_at_the_value_in_the_last_user_message(tmp_path):
+    tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
+    template = fm.TEMPLATE.read_text()
+    fm.set_value_marks(tok)
+    found = 0
+    for i, tool in enumerate(fm.mcp.TOOL_NAMES * 3):
+        conv = fm.mcp.heldout_example(4, i, "tool_call", tool)[0]
+        ids, n_prompt = fm.encode_chat(conv, tok, template)
+        user = conv.messages[-1]["content"]
+        args = [str(v) for v in conv.expected["arguments"].values()]
+        for (k, j), value in zip(fm.value_sources(ids, n_prompt, tok), args):
+            assert ids[k + 1 : k + 2] == tok.encode(value, add_special_tokens=False).ids[:1]  # k: just before it
+            assert j < n_prompt and tok.decode(ids[j:n_prompt]).lstrip(" ").startswith(value)
+            assert value in user
+            found += 1
+    assert found >= 9
+
+
+def test_the_locate_loss_is_the_heads_attention_on_each_value_start(tmp_path):
+    tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
+    template = fm.TEMPLATE.read_text()
+    fm.set_value_marks(tok)
+    chats = [c[:2] for c in fm.value_batch(0, 1, 3, tok, template)]
+    sources = [fm.value_sources(ids, n, tok) for ids, n in chats]
+    model = fm.bundled_model(tmp_path / "run")
+    model.eval()
+    model.materialize_constants()
+    with torch.no_grad():
+        packed = fm.packed_loss(model, chats, None, None, sources)[-1]
+    # each chat on its own, through the test's own rebuild of the layer's attention
+    logs = []
+    for (ids, _), pairs in zip(chats, sources):
+        att = _layer_attention(model, fm.LOCATE["layer"], ids[:-1])[fm.LOCATE["head"]]
+        logs += [-torch.log(att[k, j]) for k, j in pairs]
+    assert len(logs) >= 3
+    assert float(packed) == pytest.approx(float(torch.stack(logs).mean()), rel=1e-4)
+    backend = model._active_backend()
+    assert "attention" not in vars(backend) or vars(backend)["attention"].__func__ is type(backend).attention
