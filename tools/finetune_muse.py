@@ -21,6 +21,14 @@ A run is fixed by its first session (--resume takes these from the saved state):
   head into layer 1 (set_copy_circuit). Without it the model never learned to copy from its
   context; with it the repeated-span loss (`--induction N` spans a step) falls from ln 4091 to
   ~1 nat in ~700 steps, and the answers start quoting the prompt.
+* `--tie-space` (applied once, at the start of the session that passes it): the copy circuit
+  matches " X" with "X" (tie_space_pairs), so a value the user wrote after a space is continued
+  after `name="city">` and a tool result's `"Porto"` after " in".
+* `--value-weight W`, `--value-chats N`: the argument values of tool calls weigh W; N short
+  tool-call examples a step (the last user message onward) are scored on their values only.
+* `--locate-weight W`: a loss (weight W) on the attention of layer 5's last head from each call
+  value's `>` to where the user wrote the value (value_sources): the copy circuit continues a
+  value, nothing found where one starts, and no head learned it from the token loss alone.
 * `--data copy` (default): conversations from tools/muse_copy_data.py, whose values can only be
   copied (`--copy-mix F`: a share F of each step's conversations from muse_chat_data);
   `--data chat`: tools/muse_chat_data.py's (`--data-version`), the first chat model's data.
