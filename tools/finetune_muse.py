@@ -1098,6 +1098,7 @@ CARD_FLAGS += (
     "copy_weight",
     "value_weight",
     "value_chats",
+    "locate_weight",
     "tie_space",
     "induction",
     "induction_weight",
