@@ -1165,6 +1165,36 @@ def _rate(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0f}%"
 
 
+def copy_recipe(sessions: list[dict]) -> str:
+    """The card's sentence on how the run taught copying: the mechanisms its sessions used."""
+    used = lambda k: any(sa.get(k) for sa in sessions)  # noqa: E731
+    parts = [
+        (
+            used("copy_circuit"),
+            "a previous-token head and an induction head wired into layers 0 and 1 before step 0 (`--copy-circuit`)",
+        ),
+        (used("induction"), "repeated spans of random tokens beside the chats (`--induction`)"),
+        (used("tie_space"), 'the pairs " X" / "X" tied in that circuit\'s match (`--tie-space`)'),
+        (
+            any(sa.get("value_weight", 1.0) != 1.0 or sa.get("value_chats") for sa in sessions),
+            "the call's argument values weighted up, and short tool-call examples scored on their values only "
+            "(`--value-weight`, `--value-chats`)",
+        ),
+        (
+            used("locate_weight"),
+            "a loss on the attention of layer 5's last head from each value's `>` to where the user wrote it "
+            "(`--locate-weight`)",
+        ),
+    ]
+    chosen = [text for on, text in parts if on]
+    if not chosen:
+        return ""
+    return (
+        "How it learned to copy (the flags in the commands above; `tools/finetune_muse.py` says what each "
+        "changed): " + "; ".join(chosen) + "."
+    )
+
+
 def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg, init: str = "base") -> None:
     """The model card: architecture, the recipe (every stage's commands, this run's sessions
     included, its data and wall time), and the held-out scores of the exported weights."""
@@ -1260,6 +1290,8 @@ chat ({kw["plain"]}%), a needed tool that is not offered → say so ({kw["no_too
 assistant's reasoning is one fixed sentence per (tool, reasoning strength) naming the intent, and
 answers follow one pattern per tool that copies the tool result's values. {100 - mcd.HOLD_OUT_PERCENT}% of cities and file paths are used in
 training; the other {mcd.HOLD_OUT_PERCENT}% (by a hash of the value) are held out for evaluation."""
+    if a["data"] == "copy" and (how := copy_recipe([x["args"] for x in st["sessions"]])):
+        data += "\n\n" + how
     finetune = f"""## {title} (tools/finetune_muse.py)
 
 ```

@@ -364,3 +364,14 @@ def test_the_locate_loss_is_the_heads_attention_on_each_value_start(tmp_path):
     assert float(packed) == pytest.approx(float(torch.stack(logs).mean()), rel=1e-4)
     backend = model._active_backend()
     assert "attention" not in vars(backend) or vars(backend)["attention"].__func__ is type(backend).attention
+
+
+def test_the_card_names_the_copy_mechanisms_the_sessions_used():
+    assert fm.copy_recipe([{"copy_circuit": False, "induction": 0}]) == ""
+    first = {"copy_circuit": True, "induction": 16}
+    later = {"tie_space": True, "value_weight": 5.0, "value_chats": 16, "locate_weight": 0.5}
+    only_first = fm.copy_recipe([first])
+    assert "`--copy-circuit`" in only_first and "`--induction`" in only_first and "`--tie-space`" not in only_first
+    both = fm.copy_recipe([first, later])
+    for flag in ("--copy-circuit", "--induction", "--tie-space", "--value-weight", "--locate-weight"):
+        assert f"`{flag}`" in both
