@@ -521,15 +521,21 @@ def value_spans(ids: list[int], n_prompt: int) -> list[tuple[int, int]]:
     return out
 
 
+def last_user_start(ids: list[int], n_prompt: int, tok) -> int | None:
+    """Index of the `<|start|>` that opens the prompt's last user message (None: there is none)."""
+    start, user = tok.token_to_id("<|start|>"), tok.token_to_id("user")
+    return max((i for i in range(n_prompt - 1) if ids[i] == start and ids[i + 1] == user), default=None)
+
+
 def value_sources(ids: list[int], n_prompt: int, tok) -> list[tuple[int, int]]:
     """(k, j) per argument value of the output that the last user message spells out: k the `>`
     before the value (the position whose output is the value's first token), j the user-message
     token where the value starts (the latest one whose text, a leading space dropped, begins
     with the value). The targets of `--locate-weight`."""
-    start, user = tok.token_to_id("<|start|>"), tok.token_to_id("user")
-    u = max((i for i in range(n_prompt - 1) if ids[i] == start and ids[i + 1] == user), default=None)
+    u = last_user_start(ids, n_prompt, tok)
     if u is None:
         return []
+    start = tok.token_to_id("<|start|>")
     end = next((i for i in range(u + 2, n_prompt) if ids[i] in (EOT_ID, start)), n_prompt)
     out = []
     for k, close in value_spans(ids, n_prompt):
@@ -580,12 +586,11 @@ def value_batch(seed: int, step: int, n: int, tok, template: str) -> list[tuple[
     (the tool definitions dropped), weighted only on the argument values (VALUE_WEIGHT; the
     reasoning and the call around them weigh 0, so the model never learns to call a tool that
     is not offered). ~100 tokens instead of ~900: more values to locate per step."""
-    start, user = tok.token_to_id("<|start|>"), tok.token_to_id("user")
     out = []
     for j in range(n):
         d = mcp.Drawer(random.Random(f"muse-copy-value:{seed}:{step}:{j}"), mcp.TRAIN)
         ids, n_prompt = encode_chat(mcp.make(d, "tool_call"), tok, template)
-        u = max(i for i in range(n_prompt - 1) if ids[i] == start and ids[i + 1] == user)
+        u = last_user_start(ids, n_prompt, tok)  # a tool_call conversation always ends with one
         short, np_ = [ids[0], *ids[u:]], n_prompt - u + 1
         w = torch.zeros(len(short) - 1)
         for a, b in value_spans(short, np_):
