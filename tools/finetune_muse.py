@@ -427,11 +427,13 @@ def chat_batch(
     version: int = mcd.DATA_VERSION,
     data: str = "chat",
     copy_mix: float = 0.0,
+    convs_out: list[mcd.Conversation] | None = None,
 ) -> list[tuple[list[int], int]]:
     """The n encoded conversations of `step`, a pure function of (seed, step): `chat` draws
     tools/muse_chat_data.py's stream; `copy` draws tools/muse_copy_data.py's, except
     `n_old_chats` of them from muse_chat_data's. Each stream's indices start at 2n*step (the
-    spares replace conversations longer than max_len + 1 tokens)."""
+    spares replace conversations longer than max_len + 1 tokens). `convs_out` receives the
+    conversations kept, in order."""
     n_old = n if data == "chat" else n_old_chats(step, n, copy_mix)
     out: list[tuple[list[int], int]] = []
     for source, count in (("chat", n_old), ("copy", n - n_old)):
@@ -442,6 +444,8 @@ def chat_batch(
             i += 1
             if len(ids) <= max_len + 1:
                 out.append((ids, np_))
+                if convs_out is not None:
+                    convs_out.append(conv)
     return out
 
 
@@ -597,6 +601,57 @@ def value_batch(seed: int, step: int, n: int, tok, template: str) -> list[tuple[
             w[a:b] = VALUE_WEIGHT
         out.append((short, np_, w))
     return out
+
+
+def restate_values(conv: mcd.Conversation) -> list[str]:
+    """What a tool_result conversation's answer copies from the turns before it: the result's
+    values it must restate (muse_copy_data's `restate`) and the call's string arguments (the
+    city, the expression, the path). Empty for every other kind."""
+    if conv.kind != "tool_result":
+        return []
+    restate = conv.expected.get("restate", {})
+    values = [*restate.get("all", []), *restate.get("any", [])]
+    values += [v for v in conv.expected.get("arguments", {}).values() if isinstance(v, str)]
+    return [v for v in dict.fromkeys(values) if v]
+
+
+def restate_sources(ids: list[int], n_prompt: int, tok, values: list[str]) -> list[tuple[int, int]]:
+    """(k, j) per value of `values` that the output writes: k the output position whose next
+    token starts the value (its first occurrence; a leading space dropped), j the latest token
+    from the last user message on (the question, the call, the tool's result) where it starts.
+    Values the output or the prompt does not spell from a token boundary are left out. The
+    targets of `--locate-restate`."""
+    u = last_user_start(ids, n_prompt, tok)
+    if u is None:
+        return []
+    out = []
+    for v in values:
+        k = next(
+            (k for k in range(n_prompt - 1, len(ids) - 1) if tok.decode(ids[k + 1 :]).lstrip(" ").startswith(v)), None
+        )
+        js = [j for j in range(u + 3, n_prompt) if tok.decode(ids[j:n_prompt]).lstrip(" ").startswith(v)]
+        if k is not None and js:
+            out.append((k, js[-1]))
+    return out
+
+
+def restate_batch(
+    seed: int, step: int, n: int, tok, template: str
+) -> tuple[list[tuple[list[int], int, torch.Tensor]], list[list[str]]]:
+    """`--restate-chats N`: n short tool_result examples of `step` ((ids, n_prompt, weights), and
+    each one's restate_values). Each is a training tool_result conversation of muse_copy_data cut
+    to BOS + its last user message onward (the question, the call, the result, then the answer),
+    weighted as the chats are (_weights)."""
+    items, values = [], []
+    for j in range(n):
+        d = mcp.Drawer(random.Random(f"muse-copy-restate:{seed}:{step}:{j}"), mcp.TRAIN)
+        conv = mcp.make(d, "tool_result")
+        ids, n_prompt = encode_chat(conv, tok, template)
+        u = last_user_start(ids, n_prompt, tok)  # a tool_result conversation always has one
+        short, np_ = [ids[0], *ids[u:]], n_prompt - u + 1
+        items.append((short, np_, _weights(short, np_)))
+        values.append(restate_values(conv))
+    return items, values
 
 
 def packed_loss(
@@ -776,20 +831,32 @@ def train(args) -> None:
         if STOP["signal"] is not None:
             print(f"signal {STOP['signal']} at step {step}; saving and stopping", flush=True)
             break
-        lr = tt.lr_at(step, args.steps, args.lr, args.warmup)
+        start = args.cosine_from if args.cosine_from is not None else 0
+        lr = tt.lr_at(step - start, args.steps - start, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
+        convs: list[mcd.Conversation] = []
         chats = chat_batch(
-            args.seed, step, args.chats, tok, template, args.max_len, args.data_version, args.data, args.copy_mix
+            args.seed, step, args.chats, tok, template, args.max_len, args.data_version, args.data, args.copy_mix, convs
         )
+        restated = [restate_values(c) for c in convs]
         if args.value_chats:
             chats += value_batch(args.seed, step, args.value_chats, tok, template)
+            restated += [[] for _ in range(args.value_chats)]
+        if args.restate_chats:
+            more, more_values = restate_batch(args.seed, step, args.restate_chats, tok, template)
+            chats, restated = chats + more, restated + more_values
         code = (
             tt.get_batch(train_stream, step, args.code_windows, args.seq_len, args.seed) if args.code_windows else None
         )
         spans = induction_batch(args.seed, step, args.induction, args.induction_vocab) if args.induction else None
         rec.reset()
-        sources = [value_sources(c[0], c[1], tok) for c in chats] if args.locate_weight else None
+        sources = None
+        if args.locate_weight:
+            sources = [
+                value_sources(c[0], c[1], tok) + (restate_sources(c[0], c[1], tok, v) if args.locate_restate else [])
+                for c, v in zip(chats, restated)
+            ]
         chat_loss, code_loss, *extra = packed_loss(model, chats, code, spans, sources)
         span_loss = extra[:1] if spans else []
         loss = chat_loss + (args.code_weight * code_loss if code_loss is not None else 0.0)
@@ -1104,6 +1171,9 @@ CARD_FLAGS += (
     "value_weight",
     "value_chats",
     "locate_weight",
+    "locate_restate",
+    "restate_chats",
+    "cosine_from",
     "tie_space",
     "induction",
     "induction_weight",
@@ -1189,6 +1259,12 @@ def copy_recipe(sessions: list[dict]) -> str:
             used("locate_weight"),
             "a loss on the attention of layer 5's last head from each value's `>` to where the user wrote it "
             "(`--locate-weight`)",
+        ),
+        (used("restate_chats"), "short tool-result examples beside the chats (`--restate-chats`)"),
+        (
+            used("locate_restate"),
+            "the same loss from the answer's position before each value it restates to that value in the tool's "
+            "result or the call (`--locate-restate`)",
         ),
     ]
     chosen = [text for on, text in parts if on]
@@ -1523,6 +1599,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="weight of the loss that teaches layer 5's last head to attend from a value's `>` to where the user wrote it",
+    )
+    p.add_argument(
+        "--locate-restate",
+        action="store_true",
+        help="with --locate-weight: also from the answer's position before each restated value to that value "
+        "in the tool's result or the call",
+    )
+    p.add_argument(
+        "--restate-chats",
+        type=int,
+        default=0,
+        help="short tool-result examples per step (the last user message onward, then the answer)",
+    )
+    p.add_argument(
+        "--cosine-from",
+        type=int,
+        default=None,
+        help="restart the learning-rate schedule (warmup, then cosine to --steps) at this step",
     )
     p.add_argument(
         "--tie-space",

@@ -344,6 +344,45 @@ def test_value_sources_point_at_the_value_in_the_last_user_message(tmp_path):
     assert found >= 9
 
 
+def test_restate_sources_point_from_the_answer_to_the_value_in_the_tool_result(tmp_path):
+    tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
+    template = fm.TEMPLATE.read_text()
+    checked = 0
+    for i, tool in enumerate(fm.mcp.TOOL_NAMES * 4):
+        conv = fm.mcp.heldout_example(5, i, "tool_result", tool)[0]
+        ids, n_prompt = fm.encode_chat(conv, tok, template)
+        answer = tok.decode(ids[n_prompt:])
+        restate = conv.expected["restate"]
+        must = restate.get("all", []) + [line for line in restate.get("any", []) if line in answer]
+        values = fm.restate_values(conv)
+        by_value = {}
+        for k, j in fm.restate_sources(ids, n_prompt, tok, values):
+            value = next(v for v in values if tok.decode(ids[k + 1 :]).lstrip(" ").startswith(v))
+            by_value[value] = (k, j)
+        for value in must:
+            k, j = by_value[value]  # every value the answer must restate has a source
+            assert k >= n_prompt - 1 and j < n_prompt
+            tail = tok.decode(ids[j:n_prompt])
+            assert tail.lstrip(" ").startswith(value)
+            assert "atem:parameter" not in tail  # after the call: in the tool's result
+            checked += 1
+    assert checked >= 12
+
+
+def test_restate_chats_are_the_last_user_message_onward_and_deterministic(tmp_path):
+    tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
+    template = fm.TEMPLATE.read_text()
+    items, values = fm.restate_batch(0, 3, 4, tok, template)
+    again = fm.restate_batch(0, 3, 4, tok, template)
+    assert [x[0] for x in items] == [x[0] for x in again[0]] and values == again[1]
+    user, start = tok.token_to_id("user"), tok.token_to_id("<|start|>")
+    for (ids, n_prompt, w), vals in zip(items, values):
+        assert [i for i in range(len(ids) - 1) if ids[i] == start and ids[i + 1] == user] == [1]
+        assert "have access to a set of tools" not in tok.decode(ids[:n_prompt])  # the definitions cut off
+        assert w.shape == (len(ids) - 1,) and vals
+        assert any(v in tok.decode(ids[n_prompt:]) for v in vals)
+
+
 def test_the_locate_loss_is_the_heads_attention_on_each_value_start(tmp_path):
     tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
     template = fm.TEMPLATE.read_text()
