@@ -246,6 +246,16 @@ def _layer_attention(model, layer: int, ids: list[int]) -> torch.Tensor:
     return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
 
+def _fresh_model(run: Path, seed: int = 3):
+    """A model of the shipped architecture with train_tiny's fresh initialisation: no copy
+    circuit and no tied pairs, whatever the shipped weights have learned."""
+    model = fm.MuseSparkForCausalLM(fm.run_config(run, "bundled"))
+    fm.tt.init_weights(model, seed)
+    model.eval()
+    model.materialize_constants()
+    return model
+
+
 def test_the_copy_circuit_attends_to_the_token_after_the_earlier_occurrence(tmp_path):
     g = torch.Generator().manual_seed(11)
     span = torch.randint(5, 4096, (30,), generator=g).tolist()
@@ -259,14 +269,12 @@ def test_the_copy_circuit_attends_to_the_token_after_the_earlier_occurrence(tmp_
         ind_mass = torch.stack([ind[:2, second + i, 7 + i + 1] for i in range(len(span) - 1)], 1).mean()
         return float(prev_mass), float(ind_mass)
 
-    model = fm.bundled_model(tmp_path / "run")
-    model.eval()
-    model.materialize_constants()
+    model = _fresh_model(tmp_path / "run")
     before = masses(model)
     fm.set_copy_circuit(model)
     model.materialize_constants()
     after = masses(model)
-    assert before[0] < 0.2 and before[1] < 0.2  # the shipped model has neither head
+    assert before[0] < 0.2 and before[1] < 0.2  # a freshly initialised model has neither head
     assert after[0] > 0.6 and after[1] > 0.6
     P = slice(192, 256)
     assert float(model.embed_tokens.weight.detach()[:, P].abs().max()) == 0.0
@@ -288,9 +296,8 @@ def test_tied_space_pairs_let_the_copy_circuit_match_across_a_leading_space(tmp_
         ind = _layer_attention(model, 1, ids)
         return float(torch.stack([ind[:2, second + i, 7 + i + 1] for i in range(len(pick) - 1)], 1).mean())
 
-    model = fm.bundled_model(tmp_path / "run")
+    model = _fresh_model(tmp_path / "run")
     fm.set_copy_circuit(model)
-    model.eval()
     model.materialize_constants()
     untied = induction_mass(model)
     emb_before = model.embed_tokens.weight.detach().clone()
