@@ -635,13 +635,29 @@ def restate_sources(ids: list[int], n_prompt: int, tok, values: list[str]) -> li
     return out
 
 
+RESTATE_WEIGHT = 1.0  # set by --restate-weight (train): the weight of a value the answer restates
+
+
+def restate_spans(ids: list[int], n_prompt: int, tok, values: list[str]) -> list[tuple[int, int]]:
+    """Target indices [k, k + m) of each value the output restates: k as restate_sources finds it,
+    m the fewest output tokens whose text (a leading space dropped) spells the whole value."""
+    out = []
+    for k, _ in restate_sources(ids, n_prompt, tok, values):
+        text = tok.decode(ids[k + 1 :]).lstrip(" ")
+        v = next(v for v in values if text.startswith(v))
+        m = next(m for m in range(1, len(ids) - k) if tok.decode(ids[k + 1 : k + 1 + m]).lstrip(" ").startswith(v))
+        out.append((k, k + m))
+    return out
+
+
 def restate_batch(
     seed: int, step: int, n: int, tok, template: str
 ) -> tuple[list[tuple[list[int], int, torch.Tensor]], list[list[str]]]:
     """`--restate-chats N`: n short tool_result examples of `step` ((ids, n_prompt, weights), and
     each one's restate_values). Each is a training tool_result conversation of muse_copy_data cut
     to BOS + its last user message onward (the question, the call, the result, then the answer),
-    weighted as the chats are (_weights)."""
+    weighted as the chats are (_weights), and RESTATE_WEIGHT on the tokens of each value the
+    answer restates (restate_spans)."""
     items, values = [], []
     for j in range(n):
         d = mcp.Drawer(random.Random(f"muse-copy-restate:{seed}:{step}:{j}"), mcp.TRAIN)
@@ -649,7 +665,11 @@ def restate_batch(
         ids, n_prompt = encode_chat(conv, tok, template)
         u = last_user_start(ids, n_prompt, tok)  # a tool_result conversation always has one
         short, np_ = [ids[0], *ids[u:]], n_prompt - u + 1
-        items.append((short, np_, _weights(short, np_)))
+        w = _weights(short, np_)
+        if RESTATE_WEIGHT != 1.0:
+            for a, b in restate_spans(short, np_, tok, restate_values(conv)):
+                w[a:b] = RESTATE_WEIGHT
+        items.append((short, np_, w))
         values.append(restate_values(conv))
     return items, values
 
@@ -766,7 +786,7 @@ def _request_stop(signum: int, _frame) -> None:
 
 
 def train(args) -> None:
-    global COPY_WEIGHT, VALUE_WEIGHT
+    global COPY_WEIGHT, VALUE_WEIGHT, RESTATE_WEIGHT
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
@@ -779,7 +799,7 @@ def train(args) -> None:
     print(f"init {args.init}, data {args.data}" + (f" (copy-mix {args.copy_mix})" if args.data == "copy" else ""))
     tok = chat_tokenizer(run, args.init)
     template = TEMPLATE.read_text()
-    COPY_WEIGHT, VALUE_WEIGHT = args.copy_weight, args.value_weight
+    COPY_WEIGHT, VALUE_WEIGHT, RESTATE_WEIGHT = args.copy_weight, args.value_weight, args.restate_weight
     set_value_marks(tok)
     # The framing every output repeats (headers, ATEM tags) is not an argument copy.
     framing = (
@@ -1173,6 +1193,7 @@ CARD_FLAGS += (
     "locate_weight",
     "locate_restate",
     "restate_chats",
+    "restate_weight",
     "cosine_from",
     "tie_space",
     "induction",
@@ -1260,7 +1281,11 @@ def copy_recipe(sessions: list[dict]) -> str:
             "a loss on the attention of layer 5's last head from each value's `>` to where the user wrote it "
             "(`--locate-weight`)",
         ),
-        (used("restate_chats"), "short tool-result examples beside the chats (`--restate-chats`)"),
+        (
+            used("restate_chats"),
+            "short tool-result examples beside the chats, the values the answer restates weighted up "
+            "(`--restate-chats`, `--restate-weight`)",
+        ),
         (
             used("locate_restate"),
             "the same loss from the answer's position before each value it restates to that value in the tool's "
@@ -1611,6 +1636,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="short tool-result examples per step (the last user message onward, then the answer)",
+    )
+    p.add_argument(
+        "--restate-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of the values a --restate-chats answer restates (the temperature, the result, ...)",
     )
     p.add_argument(
         "--cosine-from",

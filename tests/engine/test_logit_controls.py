@@ -113,22 +113,33 @@ def test_rows_that_do_not_ask_are_untouched(llm):
 
 def test_bad_words_multi_token_and_single_token(bundled):
     tok = bundled.engine.tokenizer
-    prompt = "def fibonacci(n):"
     p = SamplingParams(temperature=0.0, max_tokens=20)
-    base = bundled.generate(prompt, p)[0].outputs[0]
     # vLLM's rule keeps " word" only when it tokenizes to as many tokens as "word": "same" is
     # two tokens and " same" one, so bad_words=["same"] bans only the bare form.
     same = SamplingParams(temperature=0.0, max_tokens=20, bad_words=["same"])
     same.update_from_tokenizer(tok)
     assert same._bad_words_token_ids == [tok.encode("same", add_special_tokens=False)]
-    # A word the greedy output contains (two tokens: a multi-token ban), and its first token's text.
+
+    def two_token_word(ids: list[int]) -> int | None:
+        """Where the output has an identifier of two tokens that is the word's own tokenization."""
+        return next(
+            (
+                i
+                for i in range(len(ids) - 1)
+                if tok.decode(ids[i : i + 2]).strip().isidentifier()
+                and tok.encode(tok.decode(ids[i : i + 2]).strip(), add_special_tokens=False) == ids[i : i + 2]
+            ),
+            None,
+        )
+
+    # A word the greedy output contains (two tokens: a multi-token ban), and its first token's text:
+    # from the first of these prompts whose greedy output has one (which one depends on the model).
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):", "class Stack:\n    def __init__(self):"]
+    found = [(q, base) for q in prompts for base in [bundled.generate(q, p)[0].outputs[0]]]
+    prompt, base = next(((q, b) for q, b in found if two_token_word(b.token_ids) is not None), found[0])
     ids = base.token_ids
-    i = next(
-        i
-        for i in range(len(ids) - 1)
-        if tok.decode(ids[i : i + 2]).strip().isidentifier()
-        and tok.encode(tok.decode(ids[i : i + 2]).strip(), add_special_tokens=False) == ids[i : i + 2]
-    )
+    i = two_token_word(ids)
+    assert i is not None, [b.text for _, b in found]
     two = tok.decode(ids[i : i + 2]).strip()
     one = next(tok.decode([t]).strip() for t in ids if tok.decode([t]).strip().isalnum())
     for words in ([two], [one]):

@@ -376,12 +376,22 @@ def test_restate_sources_point_from_the_answer_to_the_value_in_the_tool_result(t
     assert checked >= 12
 
 
-def test_restate_chats_are_the_last_user_message_onward_and_deterministic(tmp_path):
+def test_restate_chats_are_the_last_user_message_onward_and_deterministic(tmp_path, monkeypatch):
     tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
     template = fm.TEMPLATE.read_text()
     items, values = fm.restate_batch(0, 3, 4, tok, template)
+    monkeypatch.setattr(fm, "RESTATE_WEIGHT", 7.0)
     again = fm.restate_batch(0, 3, 4, tok, template)
     assert [x[0] for x in items] == [x[0] for x in again[0]] and values == again[1]
+    spans = 0
+    for (ids, n_prompt, w), (_, _, w7), vals in zip(items, again[0], values):
+        for a, b in fm.restate_spans(ids, n_prompt, tok, vals):
+            # the fewest output tokens that spell a whole value, weighted up
+            assert any(tok.decode(ids[a + 1 : b + 1]).lstrip(" ").startswith(v) for v in vals)
+            assert not any(tok.decode(ids[a + 1 : b]).lstrip(" ").startswith(v) for v in vals)
+            assert (w7[a:b] == 7.0).all() and (w[a:b] != 7.0).all()
+            spans += 1
+    assert spans >= 4
     user, start = tok.token_to_id("user"), tok.token_to_id("<|start|>")
     for (ids, n_prompt, w), vals in zip(items, values):
         assert [i for i in range(len(ids) - 1) if ids[i] == start and ids[i + 1] == user] == [1]
