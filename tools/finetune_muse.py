@@ -501,6 +501,7 @@ _STRUCTURAL: set[int] = set()  # tokens of the fixed framing, never counted as c
 
 
 VALUE_WEIGHT = 1.0  # set by --value-weight (train): the weight of a tool call's argument values
+VALUE_CALL_WEIGHT = 0.0  # set by --value-call-weight (train): the rest of a --value-chats call
 VALUE_MARKS: dict[str, int] = {}  # ids of the ATEM framing around a value, set from the tokenizer
 
 
@@ -589,7 +590,10 @@ def value_batch(seed: int, step: int, n: int, tok, template: str) -> list[tuple[
     training tool_call conversation of muse_copy_data cut to BOS + its last user message onward
     (the tool definitions dropped), weighted only on the argument values (VALUE_WEIGHT; the
     reasoning and the call around them weigh 0, so the model never learns to call a tool that
-    is not offered). ~100 tokens instead of ~900: more values to locate per step."""
+    is not offered). ~100 tokens instead of ~900: more values to locate per step. With
+    VALUE_CALL_WEIGHT > 0 the rest of the call from the first value on (the later parameters'
+    tags, which say whether an optional one such as `unit` follows, and the closing tags) weighs
+    that much."""
     out = []
     for j in range(n):
         d = mcp.Drawer(random.Random(f"muse-copy-value:{seed}:{step}:{j}"), mcp.TRAIN)
@@ -597,7 +601,10 @@ def value_batch(seed: int, step: int, n: int, tok, template: str) -> list[tuple[
         u = last_user_start(ids, n_prompt, tok)  # a tool_call conversation always ends with one
         short, np_ = [ids[0], *ids[u:]], n_prompt - u + 1
         w = torch.zeros(len(short) - 1)
-        for a, b in value_spans(short, np_):
+        spans = value_spans(short, np_)
+        if VALUE_CALL_WEIGHT and spans:
+            w[spans[0][0] :] = VALUE_CALL_WEIGHT
+        for a, b in spans:
             w[a:b] = VALUE_WEIGHT
         out.append((short, np_, w))
     return out
@@ -786,7 +793,7 @@ def _request_stop(signum: int, _frame) -> None:
 
 
 def train(args) -> None:
-    global COPY_WEIGHT, VALUE_WEIGHT, RESTATE_WEIGHT
+    global COPY_WEIGHT, VALUE_WEIGHT, RESTATE_WEIGHT, VALUE_CALL_WEIGHT
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     run = Path(args.run_dir)
@@ -800,6 +807,7 @@ def train(args) -> None:
     tok = chat_tokenizer(run, args.init)
     template = TEMPLATE.read_text()
     COPY_WEIGHT, VALUE_WEIGHT, RESTATE_WEIGHT = args.copy_weight, args.value_weight, args.restate_weight
+    VALUE_CALL_WEIGHT = args.value_call_weight
     set_value_marks(tok)
     # The framing every output repeats (headers, ATEM tags) is not an argument copy.
     framing = (
@@ -1190,6 +1198,7 @@ CARD_FLAGS += (
     "copy_weight",
     "value_weight",
     "value_chats",
+    "value_call_weight",
     "locate_weight",
     "locate_restate",
     "restate_chats",
@@ -1275,6 +1284,11 @@ def copy_recipe(sessions: list[dict]) -> str:
             any(sa.get("value_weight", 1.0) != 1.0 or sa.get("value_chats") for sa in sessions),
             "the call's argument values weighted up, and short tool-call examples scored on their values only "
             "(`--value-weight`, `--value-chats`)",
+        ),
+        (
+            used("value_call_weight"),
+            "the rest of those calls weighted too, so that an optional parameter such as `unit` is written "
+            "(`--value-call-weight`)",
         ),
         (
             used("locate_weight"),
@@ -1618,6 +1632,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="short tool-call examples per step (the last user message onward), scored on the values only",
+    )
+    p.add_argument(
+        "--value-call-weight",
+        type=float,
+        default=0.0,
+        help="weight of a --value-chats call's other tokens from its first value on (0: values only)",
     )
     p.add_argument(
         "--locate-weight",

@@ -311,7 +311,7 @@ def test_tied_space_pairs_let_the_copy_circuit_match_across_a_leading_space(tmp_
     assert torch.equal(emb[:, 192:256], emb_before[:, 192:256]) and torch.equal(emb[:, 0], emb_before[:, 0])
 
 
-def test_value_spans_are_the_call_arguments_and_value_chats_weigh_only_them(tmp_path):
+def test_value_spans_are_the_call_arguments_and_value_chats_weigh_only_them(tmp_path, monkeypatch):
     tok = fm.chat_tokenizer(tmp_path / "run", "bundled")
     template = fm.TEMPLATE.read_text()
     fm.set_value_marks(tok)
@@ -331,6 +331,19 @@ def test_value_spans_are_the_call_arguments_and_value_chats_weigh_only_them(tmp_
         spans = fm.value_spans(ids, n_prompt)
         assert spans and all(float(w[a:b].min()) == fm.VALUE_WEIGHT for a, b in spans)
         assert float(w.sum()) == fm.VALUE_WEIGHT * sum(b - a for a, b in spans)
+    monkeypatch.setattr(fm, "VALUE_CALL_WEIGHT", 0.25)
+    for (ids, n_prompt, w), (_, _, w_call) in zip(batch, fm.value_batch(0, 3, 4, tok, template)):
+        spans = fm.value_spans(ids, n_prompt)
+        first = spans[0][0]
+        assert float(w_call[:first].abs().sum()) == 0.0  # the reasoning and the tool's name still weigh 0
+        rest = torch.ones(len(ids) - 1, dtype=torch.bool)
+        rest[:first] = False
+        for a, b in spans:
+            rest[a:b] = False
+            assert torch.equal(w_call[a:b], w[a:b])
+        assert rest.any() and bool((w_call[rest] == 0.25).all())
+        # the tags after the first value (a second parameter's, the closing ones) are among them
+        assert "</atem:invoke>" in tok.decode([t for t, r in zip(ids[1:], rest.tolist()) if r])
 
 
 def test_value_sources_point_at_the_value_in_the_last_user_message(tmp_path):
