@@ -24,9 +24,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
 
-# The main job: stream a completion from the bundled model.
+# The main job: the bundled model answers a question with a tool: its call, the demo calculator's
+# result, its answer (`generate --chat --run-tools`; read_file would read inside this directory).
 demo: $(STAMP)
-	$(VENV)/bin/musespark generate --max-tokens 64 "def fibonacci(n):"
+	$(VENV)/bin/musespark generate --chat --run-tools . "What is 4817 * 23?"
 
 # A one-command server: the bundled model on loopback (127.0.0.1:8000, OpenAI-compatible), the
 # Muse reasoning and tool parsers on (the bundled chat template is the Muse one, so they are the

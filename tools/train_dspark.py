@@ -486,11 +486,8 @@ def with_section(card_text: str, section: str) -> str:
 
 
 HISTORY = """
-nice -n 19 .venv/bin/python tools/train_dspark.py data     # val (64 prompts, seed 1000), train (3000, seed 0)
-# steps 0-700 (stopped: that schedule was too long for the time), then the same run resumed with 4200 steps
-nice -n 19 .venv/bin/python tools/train_dspark.py train --steps 7000 --max-minutes 40 --draft-vocab 512 --ffn-mult 2
-nice -n 19 .venv/bin/python tools/train_dspark.py train --steps 4200 --max-minutes 40 --draft-vocab 512 --ffn-mult 2 \\
-    --resume
+nice -n 19 .venv/bin/python tools/train_dspark.py data --train-seqs 1500   # val (64, seed 1000), train (1500, seed 0)
+nice -n 5 .venv/bin/python tools/train_dspark.py train --steps 4200 --max-minutes 25 --draft-vocab 512 --ffn-mult 2
 nice -n 19 .venv/bin/python tools/train_dspark.py export
 """
 

@@ -109,11 +109,14 @@ def _greedy_text_ids() -> list[int]:
 def test_fp8_against_bf16_cache_on_the_bundled_model(backend):
     """Teacher-forced on the model's own greedy text (prefill, then one decode step per token),
     logits of an fp8 cache against a bf16 cache. Tolerances, relative to each step's largest
-    |logit|: e4m3 rounds each key/value within 2^-4 (bf16: 2^-9), which moved the logits by a
-    mean of 1.9% and at most 15% here on the cpu backend (a float32 model against the bf16 one:
-    0.4% and 4.3%); the bounds leave room for the other backend and kernel paths: mean <= 4%,
-    max <= 25%, and the argmax (the greedy token given the same context) the same in >= 90% of
-    the steps (measured: 99%)."""
+    |logit|: e4m3 rounds each key/value within 2^-4 (bf16: 2^-9). On the bundled model that moved
+    the logits by a mean of 5.2% and at most 34% on the cpu backend (7.3% and 35% on torch), with
+    the argmax (the greedy token given the same context) the same in 94% (90%) of the steps
+    (Zen 4, 2026-12-07). Most of it is the copy circuit's: fp8 in layer 0 alone (its
+    previous-token head, whose keys encode position only) gives a mean of 6.5%, in layer 1 (the
+    induction head) 3.3%, in any other layer at most 1.9%; the checkpoint before it had no
+    circuit and measured 1.9% / 15% / 99% here, at most 1.1% from any one layer. Bounds: mean
+    <= 10%, max <= 50%, argmax the same in >= 85% of the steps."""
     ids = _greedy_text_ids()[:140] if backend == "cpu" else _greedy_text_ids()[:60]
     model = musespark.load_model(bundled_model_path(), dtype="bfloat16", backend=backend)
     ref = paged_logits(model, ids, 20, torch.bfloat16, block=16)
@@ -121,8 +124,8 @@ def test_fp8_against_bf16_cache_on_the_bundled_model(backend):
     err = (got - ref).abs().amax(-1) / ref.abs().amax(-1)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
     assert torch.isfinite(got).all()
-    assert err.mean() <= 0.04 and err.max() <= 0.25, (float(err.mean()), float(err.max()))
-    assert agree >= 0.9, float(agree)
+    assert err.mean() <= 0.10 and err.max() <= 0.50, (float(err.mean()), float(err.max()))
+    assert agree >= 0.85, float(agree)
     assert not torch.equal(got, ref)  # the cache really was fp8
 
 

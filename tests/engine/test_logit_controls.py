@@ -134,7 +134,12 @@ def test_bad_words_multi_token_and_single_token(bundled):
 
     # A word the greedy output contains (two tokens: a multi-token ban), and its first token's text:
     # from the first of these prompts whose greedy output has one (which one depends on the model).
-    prompts = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):", "class Stack:\n    def __init__(self):"]
+    prompts = [
+        "def fibonacci(n):",
+        "import os\n\n\ndef read_config(path):",
+        "import os\nimport sys\n\n",
+        "def main():\n    parser = argparse.ArgumentParser()",
+    ]
     found = [(q, base) for q in prompts for base in [bundled.generate(q, p)[0].outputs[0]]]
     prompt, base = next(((q, b) for q, b in found if two_token_word(b.token_ids) is not None), found[0])
     ids = base.token_ids

@@ -35,6 +35,13 @@ BLOCK = 4
 # puts 713 one bf16 step of the head's output above 385 at step 10 of "class Stack"; every
 # native path makes the two equal, and argmax takes the first.)
 TIE = 2**-6
+# bf16 paths: four bf16 ulps. The bundled model's copy circuit (a previous-token head and an
+# induction head, tools/finetune_muse.py) makes it about twice as sensitive to rounding as the
+# checkpoint these bounds were first measured on: bf16 weights move its logits from the fp32
+# model's by a mean of 0.86% and at most 10% of the largest |logit| (before: 0.50% and 2.9%),
+# and on Zen 4 the avx2 path flipped a pair the reference put 1.7e-2 apart at step 11 of
+# "class Stack" (measured 2026-12-07).
+TIE_BF16 = 2**-5
 
 needs_ops = pytest.mark.skipif(
     cpu.native_ops() is None,
@@ -95,7 +102,9 @@ def test_both_backends_agree_on_the_bundled_model(dtype, tol, mean_tol, kernel_p
         cpu_prompt, (cpu_tokens, cpu_steps) = model.prompt_logits(ids), paged_greedy(model, ids, NEW_TOKENS, ref_tokens)
         for step, (ref_tok, cpu_tok, ref) in enumerate(zip(ref_tokens, cpu_tokens, ref_steps.float())):
             gap = float(ref[ref_tok] - ref[cpu_tok]) / float(ref.abs().max())
-            assert gap <= TIE, f"{text!r} step {step}: {cpu_tok} instead of {ref_tok} (reference gap {gap:.1e})"
+            assert gap <= (TIE_BF16 if dtype == "bfloat16" else TIE), (
+                f"{text!r} step {step}: {cpu_tok} instead of {ref_tok} (reference gap {gap:.1e})"
+            )
         for ours, ref in ((cpu_prompt, ref_prompt), (cpu_steps, ref_steps)):
             err = float((ours - ref).abs().max() / ref.abs().max())
             assert err <= tol, f"{text!r}: relative logit error {err:.1e} > {tol}"

@@ -148,16 +148,26 @@ def test_streamed_equals_non_streamed(client, question):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "read_file"}}])
 def test_forced_tool_choice_always_gives_a_valid_call(client, choice):
+    """Every answer is a call (of the named tool), and every call that ends is schema-valid.
+    Forced to call a tool the question does not fit ("Hello!" forced to read_file), the model has
+    no value to copy: a small model may then repeat itself inside the free-text value until
+    max_tokens, and the call is cut off (finish_reason "length", as vLLM reports it). The file
+    question must end."""
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    ended = set()
     for question in QUESTIONS:
         resp = chat(client, [{"role": "user", "content": question}], tools=TOOLS, tool_choice=choice)
-        calls = resp.choices[0].message.tool_calls
+        calls, finish = resp.choices[0].message.tool_calls, resp.choices[0].finish_reason
         assert calls, (question, resp.choices[0].message)
         for call in calls:
             if isinstance(choice, dict):
                 assert call.function.name == "read_file"
-            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
-        assert resp.choices[0].finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
+            if finish != "length":
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if finish != "length":
+            assert finish == ("stop" if isinstance(choice, dict) else "tool_calls")
+            ended.add(question)
+    assert "Please show me the contents of /etc/hostname." in ended
 
 
 SCHEMAS = [gen_object(random.Random(1000 + i)) for i in range(100)]
