@@ -29,6 +29,15 @@ A run is fixed by its first session (--resume takes these from the saved state):
 * `--locate-weight W`: a loss (weight W) on the attention of layer 5's last head from each call
   value's `>` to where the user wrote the value (value_sources): the copy circuit continues a
   value, nothing found where one starts, and no head learned it from the token loss alone.
+* `--value-call-weight W`: the rest of each short tool-call example's call, from its first value
+  on, weighs W too (the tags that say whether an optional parameter such as `unit` follows).
+* `--restate-chats N`, `--restate-weight W`, `--locate-restate`: N short tool-result examples a
+  step (the last user message onward, then the answer), the values the answer restates weighing
+  W; with --locate-weight, the same attention loss from the answer's position before each
+  restated value to that value in the tool's result or the call (restate_sources). The answers
+  restated 34% of held-out results before these, 68% after ~500 steps with them.
+* `--cosine-from S`: the learning-rate schedule (warmup, then cosine to --steps) restarts at
+  step S, for a new stage of a run.
 * `--data copy` (default): conversations from tools/muse_copy_data.py, whose values can only be
   copied (`--copy-mix F`: a share F of each step's conversations from muse_chat_data);
   `--data chat`: tools/muse_chat_data.py's (`--data-version`), the first chat model's data.
@@ -672,12 +681,12 @@ def restate_batch(
         ids, n_prompt = encode_chat(conv, tok, template)
         u = last_user_start(ids, n_prompt, tok)  # a tool_result conversation always has one
         short, np_ = [ids[0], *ids[u:]], n_prompt - u + 1
-        w = _weights(short, np_)
+        w, vals = _weights(short, np_), restate_values(conv)
         if RESTATE_WEIGHT != 1.0:
-            for a, b in restate_spans(short, np_, tok, restate_values(conv)):
+            for a, b in restate_spans(short, np_, tok, vals):
                 w[a:b] = RESTATE_WEIGHT
         items.append((short, np_, w))
-        values.append(restate_values(conv))
+        values.append(vals)
     return items, values
 
 
