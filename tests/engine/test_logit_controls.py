@@ -140,11 +140,11 @@ def test_bad_words_multi_token_and_single_token(bundled):
         "import os\nimport sys\n\n",
         "def main():\n    parser = argparse.ArgumentParser()",
     ]
-    found = [(q, base) for q in prompts for base in [bundled.generate(q, p)[0].outputs[0]]]
-    prompt, base = next(((q, b) for q, b in found if two_token_word(b.token_ids) is not None), found[0])
+    outs = ((q, bundled.generate(q, p)[0].outputs[0]) for q in prompts)  # generated until one has it
+    prompt, base = next(((q, b) for q, b in outs if two_token_word(b.token_ids) is not None), (None, None))
+    assert base is not None, f"no greedy output of {prompts} has a two-token word"
     ids = base.token_ids
     i = two_token_word(ids)
-    assert i is not None, [b.text for _, b in found]
     two = tok.decode(ids[i : i + 2]).strip()
     one = next(tok.decode([t]).strip() for t in ids if tok.decode([t]).strip().isalnum())
     for words in ([two], [one]):

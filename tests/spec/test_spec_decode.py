@@ -438,9 +438,9 @@ def test_greedy_speculation_is_lossless(base_run, method):
         sched.kv_cache_manager.check_invariants()
         assert sched.kv_cache_manager.pool.num_used_blocks == 0
     # Drafts were accepted, some several tokens deep, so the identity above covers accepted rows.
-    # (Measured on Zen 4: ngram accepts hundreds of tokens here; the DSpark draft retrained for
-    # the copy-trained target on 2026-12-07 accepts 22 of 78, 7 of them beyond the first
-    # position; the previous target's draft accepted more than 50.)
+    # (Measured on Zen 4: the DSpark draft retrained for the copy-trained target on 2026-12-07
+    # accepts 22 of 78 drafted tokens here, 7 of them beyond the first position; the previous
+    # target's draft accepted more than 50.)
     stats = spec_llm.engine.get_stats()
     assert stats.spec_num_accepted_tokens > 10 and sum(stats.spec_accepted_per_pos[1:]) > 2, stats
     assert spec_llm.engine.num_steps < base_llm.engine.num_steps
