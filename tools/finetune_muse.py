@@ -1393,11 +1393,14 @@ def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg, init: str 
     copy_by_tool = ", ".join(f"`{k}` {pct(v)}" for k, v in cp["exact_arguments_by_tool"].items())
     before_bpb = BASE_VAL_BPB if init == "base" else _before_bpb(base_md)
     before = "" if before_bpb is None else f" (before fine-tuning: {before_bpb:.3f})"
+    # a copy run that starts from a copy-trained checkpoint continues it: same data, new optimizer
+    continued = init == "bundled" and "\n## Copy fine-tuning" in base_md
     if init == "bundled":
-        title = "Copy fine-tuning"
+        title = "Copy fine-tuning, continued" if continued else "Copy fine-tuning"
         start = (
             f"Starts from the bundled checkpoint the stages above made (vocab {cfg.vocab_size}, the Muse "
-            "markers already in its tokenizer), as it was when this run began (copied to the run directory)."
+            "markers already in its tokenizer), as it was when this run began (copied to the run directory)"
+            + (", with a new optimizer state and step count." if continued else ".")
         )
     else:
         title = "Chat fine-tuning"
@@ -1406,7 +1409,9 @@ def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg, init: str 
             "`lm_head` grew by four rows (old rows copied; new rows = mean of the old rows + seeded noise of 0.1 ×\n"
             "the per-dimension std)."
         )
-    if a["data"] == "copy":
+    if a["data"] == "copy" and continued:
+        data = "Data: the stage above's seeded conversations from `tools/muse_copy_data.py`, with its held-out values."
+    elif a["data"] == "copy":
         data = (
             "Data: seeded conversations from `tools/muse_copy_data.py` that can only be solved by copying:\n"
             "made-up place names, random numbers and expressions, random paths of made-up words, and tool\n"
