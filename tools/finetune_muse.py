@@ -1325,16 +1325,20 @@ def copy_recipe(sessions: list[dict]) -> str:
 
 
 # What a copy-trained model of this size gets wrong, seen on the held-out tasks and the demo
-# (Zen 4, 2026-12-07); the card of every --init bundled export carries it.
+# (AMD EPYC, 2026-12-07); the card of every --init bundled export carries it.
 KNOWN_LIMITS = """What it cannot do (seen on held-out tasks and in the demo):
 
-- Optional parameters: asked for a unit ("... in fahrenheit"), it calls `get_weather` with the
-  city alone, so most of its `get_weather` argument misses are a missing `unit`.
+- Optional parameters: "in fahrenheit" gets `"unit": "fahrenheit"`, but a capitalised "in
+  Fahrenheit" or "in Celsius" still gets a call with the city alone.
 - Runs of one token: a value whose digits or letters repeat ("444" for 37 * 12) is copied until
   `max_tokens` (the copy finds the same token again and again). The same happens when a forced
   `tool_choice` leaves it no value to copy ("Hello!" forced to `read_file`).
-- File names unlike its training paths: "Open Makefile" (no directory, no extension) gets no
-  sensible call.
+- Long expressions: where a piece repeats (") - ", "(3 + ") the copy jumps back and loops, and
+  a number that starts with a repeated digit loses it ("767627" → "7627"). Most calculator
+  misses are these.
+- File names with no directory ("Read loul.log") and names unlike its training paths ("Open
+  Makefile") often get a wrong path or no call. Real city names made of common tokens
+  ("Athens") can come out mangled.
 - Its copy circuit makes it more sensitive to rounding than a model without one: an fp8 KV cache
   moves its logits by ~5% of the largest (the pre-copy checkpoint: ~2%), mostly through layer 0's
   previous-token head (`tests/engine/test_fp8_kv_cache.py`)."""

@@ -486,9 +486,9 @@ def with_section(card_text: str, section: str) -> str:
 
 
 HISTORY = """
-nice -n 19 .venv/bin/python tools/train_dspark.py data --train-seqs 1500   # val (64, seed 1000), train (1500, seed 0)
-nice -n 5 .venv/bin/python tools/train_dspark.py train --steps 4200 --max-minutes 25 --draft-vocab 512 --ffn-mult 2
-nice -n 19 .venv/bin/python tools/train_dspark.py export
+nice -n 2 .venv/bin/python tools/train_dspark.py data --train-seqs 1500 --threads 2   # val (64, seed 1000), train (1500, seed 0)
+nice -n 2 .venv/bin/python tools/train_dspark.py train --steps 4200 --max-minutes 15 --draft-vocab 512 --ffn-mult 2 --threads 2
+.venv/bin/python tools/train_dspark.py export --threads 2
 """
 
 
