@@ -1344,6 +1344,17 @@ KNOWN_LIMITS = """What it cannot do (seen on held-out tasks and in the demo):
   previous-token head (`tests/engine/test_fp8_kv_cache.py`)."""
 
 
+def copy_stage_title(base_md: str) -> str:
+    """The card heading of a copy run that starts from the checkpoint whose card is `base_md`:
+    "Copy fine-tuning" first, then "..., continued", then "..., stage N" (N counts them all)."""
+    before = base_md.count("\n## Copy fine-tuning")
+    return (
+        ("Copy fine-tuning", "Copy fine-tuning, continued")[before]
+        if before < 2
+        else f"Copy fine-tuning, stage {before + 1}"
+    )
+
+
 def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg, init: str = "base") -> None:
     """The model card: architecture, the recipe (every stage's commands, this run's sessions
     included, its data and wall time), and the held-out scores of the exported weights."""
@@ -1400,7 +1411,7 @@ def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg, init: str 
     # a copy run that starts from a copy-trained checkpoint continues it: same data, new optimizer
     continued = init == "bundled" and "\n## Copy fine-tuning" in base_md
     if init == "bundled":
-        title = "Copy fine-tuning, continued" if continued else "Copy fine-tuning"
+        title = copy_stage_title(base_md)
         start = (
             f"Starts from the bundled checkpoint the stages above made (vocab {cfg.vocab_size}, the Muse "
             "markers already in its tokenizer), as it was when this run began (copied to the run directory)"
@@ -1546,8 +1557,11 @@ OpenAI `reasoning`, `content` and `tool_calls`.
 
 ## Results
 
-{status}Measured on the shipped bfloat16 weights, greedy (temperature 0), in-process through
-musespark's `LLM` (prompts rendered by `InputProcessor.render_chat`, the path the server takes).
+{status}Measured on the shipped bfloat16 weights computed in float32 (the dtype it was trained in:
+`LLM(..., dtype="float32")`, or `musespark serve --dtype float32`, which gives the same replies),
+greedy (temperature 0), in-process through musespark's `LLM` (prompts rendered by
+`InputProcessor.render_chat`, the path the server takes). Computed in bfloat16, the server's
+default for this checkpoint, a few replies differ: `benchmarks/tool_eval.py` measures that.
 
 Copy tasks: `tools/muse_copy_data.py` `eval_tasks({EVAL_SEED})`, whose values never occur in training,
 scored by `benchmarks/tool_eval.py`'s functions (that script runs the same tasks through

@@ -152,6 +152,21 @@ def test_recorded_commands_run_the_recorded_sessions():
     assert stages.startswith("## Pre-training") and "## Results" not in stages
 
 
+def test_each_copy_stage_gets_its_own_card_heading():
+    card = "# musespark-tiny\n\n## Pre-training\n\ntext\n\n## Results\n"
+    titles = []
+    for _ in range(4):
+        titles.append(fm.copy_stage_title(card))
+        card = card.replace("\n## Results", f"\n## {titles[-1]} (tools/finetune_muse.py)\n\nsteps\n\n## Results")
+    assert titles == [
+        "Copy fine-tuning",
+        "Copy fine-tuning, continued",
+        "Copy fine-tuning, stage 3",
+        "Copy fine-tuning, stage 4",
+    ]
+    assert len(set(titles)) == len(titles) and card.count("\n## Copy fine-tuning") == 4
+
+
 def test_copy_evaluation_scores_what_llm_chat_answers():
     from musespark import LLM, SamplingParams
 
