@@ -3,6 +3,7 @@
 official `openai` client, greedy (temperature 0).
 
     python benchmarks/tool_eval.py --limit 30                        # the bundled model, 30 tool tasks
+    python benchmarks/tool_eval.py --dtype float32                   # served in float32, as its card scores it
     python benchmarks/tool_eval.py --tasks tasks.jsonl --model DIR   # tasks from tools/muse_copy_data.py
     python benchmarks/tool_eval.py --base-url http://127.0.0.1:8000/v1 --served-model-name NAME
 
@@ -123,13 +124,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    """`musespark serve` with the Muse parsers on a free port; (process, base URL) once healthy."""
+def start_server(
+    model: str | None, log: Path, timeout: float, dtype: str | None = None
+) -> tuple[subprocess.Popen, str]:
+    """`musespark serve` with the Muse parsers (and `--dtype dtype`, if given) on a free port;
+    (process, base URL) once healthy."""
     import httpx
 
     port = _free_port()
     cmd = [sys.executable, "-m", "musespark", "serve", *([model] if model else []), "--port", str(port)]
-    cmd += [*SERVE_FLAGS, "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    cmd += [
+        *SERVE_FLAGS,
+        *(["--dtype", dtype] if dtype else []),
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     paths = [str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -254,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--show", type=int, default=3, help="print the first N failures of each kind")
     p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--dtype", default=None, help="the started server's --dtype (default: its own, the checkpoint's)")
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be at least 1")
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if base_url is None:
             log = Path(tempfile.gettempdir()) / f"tool_eval_serve_{os.getpid()}.log"
-            proc, base_url = start_server(args.model, log, args.startup_timeout)
+            proc, base_url = start_server(args.model, log, args.startup_timeout, args.dtype)
         client = openai.OpenAI(base_url=base_url, api_key=args.api_key, max_retries=0, timeout=300)
         model = args.served_model_name or client.models.list().data[0].id
         print(f"evaluating {model} at {base_url} on {len(tasks)} tasks", flush=True)
@@ -275,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proc is not None:
             stop_server(proc)
-    result.update(model=model, tasks=args.tasks or f"muse_copy_data.eval_tasks({args.seed})")
+    result.update(
+        model=model,
+        dtype=args.dtype or ("auto" if args.base_url is None else "unknown"),
+        tasks=args.tasks or f"muse_copy_data.eval_tasks({args.seed})",
+    )
     result["seconds"] = round(time.monotonic() - t0, 1)
     sys.path.insert(0, str(ROOT / "src"))
     from musespark.bench.common import print_json
