@@ -141,20 +141,22 @@ def cmd_data(args: argparse.Namespace) -> None:
     jobs = [("val", corpus.val, args.val_seqs, args.seed + 1000), ("train", corpus.train, args.train_seqs, args.seed)]
     if args.name:
         jobs = [(args.name, corpus.train, args.train_seqs, args.data_seed)]
-    for split, docs, count, seed in jobs:
-        tokens, aux, agree = collect(make_prompts(docs, count, seed))
-        torch.save({"tokens": tokens, "aux": aux}, RUN / f"{split}.pt")
-        print(
-            json.dumps(
+    # export reads the last line of data.log for the card's data time
+    with (RUN / "data.log").open("a" if args.name else "w", encoding="utf-8") as log:
+        for split, docs, count, seed in jobs:
+            tokens, aux, agree = collect(make_prompts(docs, count, seed))
+            torch.save({"tokens": tokens, "aux": aux}, RUN / f"{split}.pt")
+            line = json.dumps(
                 {
                     "split": split,
                     "seqs": len(tokens),
                     "aux_argmax_agreement": round(agree, 4),
-                    "minutes": round((time.time() - t0) / 60, 2),
+                    "minutes": round((time.time() - t0) / 60, 2),  # since the first job began
                 }
-            ),
-            flush=True,
-        )
+            )
+            print(line, flush=True)
+            log.write(line + "\n")
+            log.flush()
 
 
 # -- model ------------------------------------------------------------------------------------
@@ -558,7 +560,7 @@ Data: {data_desc} code prompts (BOS + 63 tokens at a seeded random offset of a C
 the training split, `tools/tiny_corpus.py`), each continued by the bf16 target greedily for 192 tokens
 (EOS ignored) through musespark's engine; one target pass per sequence gave the fp32 stream after layers
 {list(cfg.target_layer_ids)} (stored bf16, which is what the draft's `fc` sees when serving a bf16 target).
-Data generation took {data_minutes:.1f} min. Training: fp32, 1 torch thread, seed {a["seed"]}, AdamW (beta
+Data generation took {data_minutes:.1f} min. Training: fp32, {a.get("threads", 1)} torch thread(s), seed {a["seed"]}, AdamW (beta
 0.9/0.95, wd 0.01 on matrices), peak lr {a["lr"]:g}, {a["warmup"]} warmup steps, cosine decay to 10% (the
 schedule of the last command's --steps), grad clip 1.0, batch {a["batch"]} sequences x {a["anchors"]} random
 anchors, each block seeing the context K/V of the positions before its anchor and itself causally (one
