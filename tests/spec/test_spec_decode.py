@@ -458,9 +458,15 @@ def test_verification_rows_are_bit_identical_to_decode_rows(method):
     spec = NGRAM if method == "ngram" else dspark_config()
     if spec is None:
         pytest.skip("the dspark proposer or the bundled draft is not in this checkout")
-    # A prompt whose continuation the bundled model partly copies, so drafts are accepted early
-    # (a request whose first drafts all fail backs off: engine/spec_decode/backoff.py).
-    text = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+    # Prompts whose drafts are accepted early (a request whose first drafts all fail backs off:
+    # engine/spec_decode/backoff.py): one the bundled model partly copies for ngram, and code of
+    # the kind the draft was distilled on for dspark (measured on an AVX-512 Xeon, 2026-12-07:
+    # the ngram prompt gets 0 of 2 dspark drafts accepted, this one 25 over 7 drafts).
+    if method == "ngram":
+        text = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
+    else:
+        text = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+        text += "        self.items.append(item)\n\n    def pop(self):\n        "
     params = SamplingParams(temperature=0.0, max_tokens=96, logprobs=1)
     base = LLM(enable_prefix_caching=False).generate(text, params)[0].outputs[0]
     llm = LLM(enable_prefix_caching=False, speculative_config=spec)
