@@ -1348,11 +1348,11 @@ def copy_stage_title(base_md: str) -> str:
     """The card heading of a copy run that starts from the checkpoint whose card is `base_md`:
     "Copy fine-tuning" first, then "..., continued", then "..., stage N" (N counts them all)."""
     before = base_md.count("\n## Copy fine-tuning")
-    return (
-        ("Copy fine-tuning", "Copy fine-tuning, continued")[before]
-        if before < 2
-        else f"Copy fine-tuning, stage {before + 1}"
-    )
+    if before == 0:
+        return "Copy fine-tuning"
+    if before == 1:
+        return "Copy fine-tuning, continued"
+    return f"Copy fine-tuning, stage {before + 1}"
 
 
 def write_card(out: Path, args, st: dict, r: dict, base_md: str, cfg, init: str = "base") -> None:
